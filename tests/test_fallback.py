@@ -1,0 +1,126 @@
+"""The fallback policy: both paths, every way of setting it, counters, logs, profiler, compile."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_rmsnorm_op as T
+from torch_rmsnorm_op import fallback
+
+FP64_REASON = "rmsnorm.fwd: x dtype torch.float64 (kernels serve float16, bfloat16, float32)"
+
+
+def _fp64(device):
+    return torch.randn(3, 8, device=device, dtype=torch.float64), torch.randn(8, device=device, dtype=torch.float64)
+
+
+def test_default_policy_warns_once_per_reason(device):
+    assert T.get_fallback_policy() == "warn"
+    x, w = _fp64(device)
+    with pytest.warns(UserWarning, match="falls back to the PyTorch reference"):
+        T.rms_norm(x, (8,), w)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = T.rms_norm(x, (8,), w)  # same reason: no second warning
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (8,), w))
+    assert T.dispatch_stats()["fallback"] == {FP64_REASON: 2}
+
+
+def test_reference_policy_counts_and_logs(device, caplog):
+    x, w = _fp64(device)
+    T.set_fallback_policy("reference")
+    with caplog.at_level(logging.DEBUG, logger="torch_rmsnorm_op"):
+        T.rms_norm(x, (8,), w)
+    assert "PyTorch reference fallback" in caplog.text and "float64" in caplog.text
+    assert T.dispatch_stats()["fallback"] == {FP64_REASON: 1}
+    assert T.dispatch_stats()["kernel"] == {}
+
+
+def test_error_policy_raises_before_any_output(device):
+    x, w = _fp64(device)
+    with T.fallback_policy("error"):
+        with pytest.raises(T.FallbackError, match=r"float64.*set_fallback_policy\('reference'\)"):
+            T.rms_norm(x, (8,), w)
+    assert T.get_fallback_policy() == "warn"  # the context manager restored it
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}}
+
+
+def test_kernel_path_is_counted(device):
+    with T.fallback_policy("error"):
+        x = torch.randn(4, 16, device=device, requires_grad=True)
+        T.rms_norm(x, (16,), None).sum().backward()
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}}
+
+
+@pytest.mark.parametrize("make,reason", [
+    (lambda d: torch.randn(8, 4, device=d).t(), "last dimension is not contiguous"),
+    (lambda d: torch.randn(4, 6, 8, device=d).transpose(0, 1)[:, ::2], "single row stride"),
+])
+def test_layout_fallbacks_are_correct(device, make, reason):
+    x = make(device)
+    with T.fallback_policy("reference"):
+        y = T.rms_norm(x, (x.shape[-1],))
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (x.shape[-1],)))
+    (key,) = T.dispatch_stats()["fallback"]
+    assert reason in key
+
+
+def test_n_above_maximum_falls_back(device, monkeypatch):
+    monkeypatch.setattr(fallback, "MAX_N", 64)
+    x = torch.randn(2, 65, device=device)
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="N = 65 above the kernels' maximum 64"):
+        T.rms_norm(x, (65,))
+    with T.fallback_policy("reference"):
+        torch.testing.assert_close(T.rms_norm(x, (65,)), torch.nn.functional.rms_norm(x, (65,)))
+
+
+def test_environment_variable(device, monkeypatch):
+    monkeypatch.setenv(fallback.ENV_VAR, "error")
+    x, w = _fp64(device)
+    with pytest.raises(T.FallbackError):
+        T.rms_norm(x, (8,), w)
+    T.set_fallback_policy("reference")  # explicit setting wins over the environment
+    T.rms_norm(x, (8,), w)
+    T.set_fallback_policy(None)
+    monkeypatch.setenv(fallback.ENV_VAR, "sometimes")
+    with pytest.raises(ValueError, match="TORCH_RMSNORM_OP_FALLBACK"):
+        T.rms_norm(x, (8,), w)
+    with pytest.raises(ValueError, match="must be one of"):
+        T.set_fallback_policy("never")
+
+
+def test_fallback_visible_in_profiler(device):
+    x, w = _fp64(device)
+    with T.fallback_policy("reference"), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        T.rms_norm(x, (8,), w)
+    names = {e.name for e in prof.events()}
+    assert "rmsnorm.fwd [reference fallback]" in names and "rmsnorm::fwd" in names
+
+
+def test_policy_holds_under_compile(device):
+    f = torch.compile(lambda x, w: T.rms_norm(x, (8,), w), fullgraph=True, backend="aot_eager")
+    x, w = _fp64(device)
+    with T.fallback_policy("reference"):
+        f(x, w)
+        f(x, w)
+    assert T.dispatch_stats()["fallback"] == {FP64_REASON: 2}  # counted per call, not per trace
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError):
+        f(x, w)
+
+
+def test_cpu_without_interpreter_falls_back():
+    code = (
+        "import os, warnings; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import torch, torch_rmsnorm_op as T\n"
+        "x = torch.randn(2, 8)\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always'); T.rms_norm(x, (8,))\n"
+        "print(T.dispatch_stats()['fallback'], len(w))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "cpu tensor without the Triton interpreter" in out and out.strip().endswith("1")

@@ -1,0 +1,151 @@
+"""``rms_norm`` and ``RMSNorm`` against ``torch.nn.functional.rms_norm`` / ``nn.RMSNorm``:
+PyTorch's own OpInfo samples and error inputs, dtypes, gradients, and the module contract."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torch_rmsnorm_op as T
+
+# The samples of PyTorch's OpInfo for nn.functional.rms_norm (input shape,
+# normalized_shape, kwargs), with and without weight.
+OPINFO_CASES = [
+    ((1, 2, 3), (1, 2, 3), {"eps": 0.5}),
+    ((2, 2, 3), (2, 3), {"eps": -0.5}),
+    ((1,), (1,), {}),
+    ((1, 2), (2,), {}),
+    ((0, 1), (1,), {}),
+    ((4, 3, 33), (33,), {"eps": 1e-5}),
+]
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float64: dict(atol=1e-12, rtol=1e-10),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2**-6, rtol=2**-6),
+    torch.complex64: dict(atol=1e-5, rtol=1e-4),
+}
+
+
+@pytest.mark.parametrize("dtype", list(TOL), ids=str)
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("shape,normalized_shape,kwargs", OPINFO_CASES)
+def test_matches_torch(device, dtype, with_weight, shape, normalized_shape, kwargs):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.rand(shape, generator=g, dtype=torch.float64) * 20 - 10).to(device=device, dtype=dtype)
+    w = (torch.rand(normalized_shape, generator=g, dtype=torch.float64) * 4 - 2).to(device=device, dtype=dtype) if with_weight else None
+    leaves = [t.requires_grad_() for t in (x, w) if t is not None]
+    copies = [t.detach().clone().requires_grad_() for t in leaves]
+    with T.fallback_policy("reference"):
+        y = T.rms_norm(x, normalized_shape, w, **kwargs)
+    y_ref = F.rms_norm(copies[0], normalized_shape, copies[1] if w is not None else None, **kwargs)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape
+    torch.testing.assert_close(y, y_ref, **TOL[dtype], equal_nan=True)
+    if y.numel() and not dtype.is_complex:
+        dy = torch.randn_like(y)
+        grads = torch.autograd.grad(y, leaves, dy)
+        grads_ref = torch.autograd.grad(y_ref, copies, dy)
+        for a, b in zip(grads, grads_ref):
+            assert a.dtype == b.dtype
+            torch.testing.assert_close(a, b, **{k: 4 * v for k, v in TOL[dtype].items()}, equal_nan=True)
+    if dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert not any(k.startswith("rmsnorm.fwd") for k in T.dispatch_stats()["fallback"])
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                               (torch.float16, torch.bfloat16), (torch.float32, torch.float64),
+                                               (torch.float16, torch.int32)])
+def test_mixed_weight_dtypes(device, x_dtype, w_dtype):
+    x = torch.randn(5, 16, device=device).to(x_dtype)
+    w = torch.randint(-3, 4, (16,), device=device).to(w_dtype)
+    with T.fallback_policy("reference"):
+        y = T.rms_norm(x, (16,), w)
+    y_ref = F.rms_norm(x, (16,), w)
+    assert y.dtype == y_ref.dtype == x_dtype
+    torch.testing.assert_close(y, y_ref, atol=2**-6, rtol=2**-6)
+
+
+def test_eps_none_and_multi_dim_weight_layouts(device):
+    x = torch.randn(2, 3, 4, 5, device=device, dtype=torch.bfloat16) * 1e-3
+    w = torch.randn(5, 4, device=device, dtype=torch.bfloat16).t()  # non-contiguous weight
+    torch.testing.assert_close(T.rms_norm(x, (4, 5), w), F.rms_norm(x, (4, 5), w), atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(T.rms_norm(x, [5]), F.rms_norm(x, [5]), atol=2**-6, rtol=2**-6)
+
+
+# PyTorch's error inputs for rms_norm, with the regexes its OpInfo tests match.
+ERROR_CASES = [
+    (lambda d: (torch.randn(1, 2, 3, device=d), (), None), "Expected normalized_shape to be at least 1-dimensional"),
+    (lambda d: (torch.randn(1, 2, 3, device=d), (1, 2, 3), torch.randn(1, 2, device=d)),
+     "Expected weight to be of same shape as normalized_shape"),
+    (lambda d: (torch.randn(2, 2, 3, device=d), (2, 2), None), "Given normalized_shape="),
+    (lambda d: (torch.ones(2, 3, dtype=torch.int64, device=d), (3,), None), "not implemented for"),
+]
+
+
+@pytest.mark.parametrize("make,regex", ERROR_CASES)
+def test_errors_like_torch(device, make, regex):
+    x, shape, w = make(device)
+    with pytest.raises(RuntimeError, match=regex):
+        F.rms_norm(x, shape, w)
+    with pytest.raises(RuntimeError, match=regex):
+        T.rms_norm(x, shape, w)
+
+
+def test_normalized_shape_longer_than_input(device):
+    # torch raises ValueError here; ours is a ValueError and a RuntimeError.
+    with pytest.raises(ValueError):
+        F.rms_norm(torch.randn(3, device=device), (2, 3))
+    with pytest.raises(ValueError, match="Given normalized_shape="):
+        T.rms_norm(torch.randn(3, device=device), (2, 3))
+
+
+def test_integer_input_raises_not_implemented(device):
+    with pytest.raises(NotImplementedError, match="input must be a floating-point or complex"):
+        T.rms_norm(torch.ones(2, 3, dtype=torch.int32, device=device), (3,))
+    with pytest.raises(TypeError, match="normalized_shape"):
+        T.rms_norm(torch.ones(2, 3, device=device), 3)
+
+
+def test_op_contract_errors(device):
+    x = torch.randn(4, 8, device=device)
+    rstd = torch.ones(4, device=device)
+    cases = [
+        (lambda: torch.ops.rmsnorm.fwd(x, torch.ones(7, device=device), 1e-6), r"weight must have shape \[N\] = \[8\]"),
+        (lambda: torch.ops.rmsnorm.fwd(x.to(torch.int32), None, 1e-6), "x must have a real floating-point dtype"),
+        (lambda: torch.ops.rmsnorm.fwd(torch.tensor(1.0, device=device), None, 1e-6), "at least 1 dimension"),
+        (lambda: torch.ops.rmsnorm.bwd(torch.randn(4, 7, device=device), x, None, rstd), "dy must have x's shape"),
+        (lambda: torch.ops.rmsnorm.bwd(x.half(), x, None, rstd), "dy must have x's dtype"),
+        (lambda: torch.ops.rmsnorm.bwd(x, x, None, torch.ones(5, device=device)), r"rstd must have shape x.shape\[:-1\]"),
+        (lambda: torch.ops.rmsnorm.bwd(x, x, None, rstd.double()), "rstd must be torch.float32"),
+        (lambda: torch.ops.rmsnorm.fwd(x, torch.ones(8, dtype=torch.complex64, device=device), 1e-6), "weight must be real"),
+    ]
+    for call, regex in cases:
+        with pytest.raises(T.RMSNormInputError, match=regex):
+            call()
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}}  # rejected before anything ran
+
+
+@pytest.mark.cuda
+def test_weight_on_another_device():
+    with pytest.raises(T.RMSNormInputError, match="weight must be on the same device"):
+        T.rms_norm(torch.randn(2, 4, device="cuda"), (4,), torch.ones(4))
+    with pytest.raises(T.RMSNormInputError, match="dy must be on x's device"):
+        torch.ops.rmsnorm.bwd(torch.randn(2, 4), torch.randn(2, 4, device="cuda"), None, torch.ones(2, device="cuda"))
+
+
+def test_module_is_a_drop_in(device):
+    ref = nn.RMSNorm([3, 8], eps=1e-5, device=device)
+    ours = T.RMSNorm([3, 8], eps=1e-5, device=device)
+    assert isinstance(ours, nn.RMSNorm)
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    assert repr(ours).replace("RMSNorm", "") == repr(ref).replace("RMSNorm", "")
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(3, 8))
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 5, 3, 8, device=device)
+    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-4)
+    bare_ref, bare = nn.RMSNorm(8, elementwise_affine=False), T.RMSNorm(8, elementwise_affine=False)
+    assert bare.weight is None and list(bare.state_dict()) == list(bare_ref.state_dict()) == []
+    x = torch.randn(4, 8)
+    with T.fallback_policy("reference"):
+        torch.testing.assert_close(bare.to(device)(x.to(device)).cpu(), bare_ref(x), atol=1e-5, rtol=1e-4)

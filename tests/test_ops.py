@@ -1,0 +1,138 @@
+"""The ops themselves: opcheck, output metadata, edge shapes, layouts, determinism."""
+
+import pytest
+import torch
+
+import torch_rmsnorm_op as T
+from torch_rmsnorm_op import reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _samples(device, requires_grad=False):
+    """(x, weight) pairs: dtypes x weight present/absent x contiguous/row-strided, M odd."""
+    for dtype in DTYPES:
+        for with_weight in (True, False):
+            for strided in (False, True):
+                base = torch.randn(5, 3, 40 if strided else 33, device=device, dtype=dtype)
+                x = base[..., :33].detach().requires_grad_(requires_grad)
+                w = torch.randn(33, device=device, dtype=dtype, requires_grad=requires_grad) if with_weight else None
+                yield x, w
+
+
+def test_opcheck_fwd_and_bwd(device):
+    for x, w in _samples(device, requires_grad=True):
+        torch.library.opcheck(torch.ops.rmsnorm.fwd, (x, w, 1e-6))
+        y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+        dy = torch.randn_like(y)
+        torch.library.opcheck(torch.ops.rmsnorm.bwd, (dy, x.detach(), None if w is None else w.detach(), rstd))
+    assert T.dispatch_stats()["fallback"] == {}
+
+
+@pytest.mark.cuda
+def test_opcheck_on_cuda():
+    test_opcheck_fwd_and_bwd(torch.device("cuda"))
+
+
+def test_output_metadata(device):
+    x = torch.randn(2, 3, 16, device=device, dtype=torch.bfloat16)
+    w = torch.randn(16, device=device, dtype=torch.float32)  # mixed precision: fp32 weight
+    y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+    assert (y.shape, y.dtype, y.is_contiguous()) == (x.shape, torch.bfloat16, True)
+    assert (rstd.shape, rstd.dtype) == ((2, 3), torch.float32)
+    dx, dw = torch.ops.rmsnorm.bwd(torch.randn_like(y), x, w, rstd)
+    assert (dx.shape, dx.dtype, dw.shape, dw.dtype) == (x.shape, x.dtype, w.shape, torch.float32)
+    y_ref, _ = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), y_ref, atol=2**-7, rtol=2**-7)
+
+
+def test_op_matches_launcher_bitwise(device):
+    """The op path and the campaign's launcher path are the same computation."""
+    from torch_rmsnorm_op import kernels
+
+    x = torch.randn(17, 257, device=device)
+    w = torch.randn(257, device=device)
+    y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+    y2, rstd2 = torch.empty_like(x), torch.empty(17, device=device)
+    kernels.launch_forward(x, w, 1e-6, y2, rstd2)
+    assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (3, 1), (1, 1), (0, 1), (4, 0), (8,), (2, 0, 5)])
+def test_edge_shapes(device, shape):
+    x = torch.randn(shape, device=device, requires_grad=True)
+    w = torch.randn(shape[-1], device=device, requires_grad=True)
+    y = T.rms_norm(x, (shape[-1],), w, 1e-6)
+    ref = reference.rms_norm_reference(x.detach(), (shape[-1],), w.detach(), 1e-6)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4, equal_nan=True)
+    y.backward(torch.ones_like(y))  # an expanded-looking upstream gradient still works
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    reference.rms_norm_reference(x2, (shape[-1],), w2, 1e-6).backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-4, equal_nan=True)
+    assert T.dispatch_stats()["fallback"] == {}
+
+
+def test_expanded_and_strided_gradients(device):
+    base = torch.randn(6, 48, device=device)
+    x = base[::2, 8:40].detach().requires_grad_()  # row stride 96, offset 8
+    w = torch.randn(32, device=device, requires_grad=True)
+    T.rms_norm(x, (32,), w).sum().backward()  # dy is an expanded scalar
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    torch.nn.functional.rms_norm(x2, (32,), w2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-4)
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}
+
+
+def test_large_row(device):
+    n = 262144 + 5
+    x = torch.randn(2, n, device=device, requires_grad=True)
+    w = torch.rand(n, device=device, requires_grad=True)
+    y = T.rms_norm(x, (n,), w, 1e-6)
+    dy = torch.randn_like(y)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    y_ref, rstd = reference.rms_norm_forward(x.detach().double(), w.detach().double(), 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.detach().double(), w.detach().double(), rstd)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dw.double(), dw_ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n", [257, 5000, 20000])
+def test_deterministic_bitwise(device, n):
+    """Same inputs, same outputs, bit for bit: y, dx and dweight (no float atomics)."""
+    x = torch.randn(67, n, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+
+    def run():
+        y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+        dx, dw = torch.ops.rmsnorm.bwd(dy, x, w, rstd)
+        return y, rstd, dx, dw
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+
+
+def test_gradcheck_through_the_op_in_float64():
+    """float64 is served by the reference (a fallback), through the same op and autograd formula."""
+    x = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(9, dtype=torch.float64, requires_grad=True)
+    with T.fallback_policy("reference"):
+        assert torch.autograd.gradcheck(lambda a, b: T.rms_norm(a, (9,), b, 1e-5), (x, w))
+        assert torch.autograd.gradgradcheck(lambda a, b: T.rms_norm(a, (9,), b, 1e-5), (x, w))
+
+
+def test_double_backward_on_the_kernel_path(device):
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    (gx,) = torch.autograd.grad(T.rms_norm(x, (16,), w).pow(2).sum(), x, create_graph=True)
+    gx.sum().backward()
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (gx2,) = torch.autograd.grad(torch.nn.functional.rms_norm(x2, (16,), w2).pow(2).sum(), x2, create_graph=True)
+    gx2.sum().backward()
+    torch.testing.assert_close(x.grad.double(), x2.grad, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-4, rtol=1e-3)

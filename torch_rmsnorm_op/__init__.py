@@ -1,0 +1,32 @@
+"""Triton RMSNorm kernels as ``torch.ops.rmsnorm.fwd`` / ``torch.ops.rmsnorm.bwd``.
+
+Importing registers the ops; it neither touches CUDA nor defines the Triton
+kernels (that happens at the first launch). To run the kernels on CPU tensors
+through the Triton interpreter, set ``TRITON_INTERPRET=1`` before that.
+"""
+
+from torch_rmsnorm_op.contract import RMSNormDTypeError, RMSNormInputError
+from torch_rmsnorm_op.fallback import (
+    FallbackError,
+    dispatch_stats,
+    fallback_policy,
+    get_fallback_policy,
+    reset_dispatch_stats,
+    set_fallback_policy,
+)
+from torch_rmsnorm_op.module import RMSNorm
+from torch_rmsnorm_op.ops import rms_norm
+
+__all__ = [
+    "FallbackError",
+    "RMSNorm",
+    "RMSNormDTypeError",
+    "RMSNormInputError",
+    "dispatch_stats",
+    "fallback_policy",
+    "get_fallback_policy",
+    "reset_dispatch_stats",
+    "rms_norm",
+    "set_fallback_policy",
+]
+__version__ = "0.1.0"

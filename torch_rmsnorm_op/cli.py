@@ -1,0 +1,62 @@
+"""Command line: ``python -m torch_rmsnorm_op <command>``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+
+import torch
+
+
+def _check(args: argparse.Namespace) -> int:
+    from torch_rmsnorm_op import campaign
+
+    device, description = campaign.best_device()
+    dtypes = tuple(getattr(torch, d) for d in args.dtype) if args.dtype else campaign.DTYPES
+    large_n = args.large_n or (campaign.LARGE_N_GPU if device.type == "cuda" else campaign.LARGE_N_CPU)
+    cases = campaign.cases(large_n=large_n, dtypes=dtypes)
+    print(f"device: {description}")
+    print(f"torch {torch.__version__}, triton {__import__('triton').__version__}; {len(cases)} cases "
+          f"(M in {campaign.MS}, N in {campaign.NS + (large_n,)}, weight/no weight, contiguous/strided rows)")
+    table: dict[tuple[str, str], list] = defaultdict(list)
+    failures = []
+    for i, case in enumerate(cases, 1):
+        for comp in campaign.run_case(case, device):
+            table[(str(case.dtype).removeprefix("torch."), comp.quantity)].append(comp)
+            if not comp.passed:
+                failures.append((case, comp))
+        if args.progress:
+            print(f"\r{i}/{len(cases)} {case}", end="", file=sys.stderr, flush=True)
+    if args.progress:
+        print(file=sys.stderr)
+    header = (f"{'dtype':<9} {'quantity':<8} {'cases':>5} {'max abs err':>12} {'max rel err':>12} "
+              f"{'atol':>9} {'rtol':>9}  pass")
+    print(header)
+    print("-" * len(header))
+    for (dtype, quantity), comps in table.items():
+        ok = all(c.passed for c in comps)
+        print(f"{dtype:<9} {quantity:<8} {len(comps):>5} {max(c.max_abs for c in comps):>12.3e} "
+              f"{max(c.max_rel for c in comps):>12.3e} {comps[0].atol:>9.2e} {comps[0].rtol:>9.2e}  "
+              f"{'yes' if ok else 'NO'}")
+    for case, comp in failures:
+        print(f"FAIL {case} {comp.quantity}: max abs {comp.max_abs:.3e}, max rel {comp.max_rel:.3e}")
+    print("all cases pass" if not failures else f"{len(failures)} comparisons FAILED")
+    return 0 if not failures else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torch_rmsnorm_op", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    check = sub.add_parser(
+        "check",
+        help="run the correctness campaign on the best device present (CUDA, else CPU via the Triton interpreter)",
+    )
+    check.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"],
+                       help="restrict to this dtype (repeatable; default: all three)")
+    check.add_argument("--large-n", type=int, default=None,
+                       help="the large N of the grid (default: 262144 on CUDA, 32771 on CPU)")
+    check.add_argument("--progress", action="store_true", help="show progress on stderr")
+    check.set_defaults(func=_check)
+    args = parser.parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,122 @@
+"""The input contract: what the ops and ``rms_norm`` accept, checked before anything is written.
+
+Every check reads metadata only (shape, dtype, device), so the same code runs on
+real and fake tensors. Errors name the argument and the rule. Where
+``torch.nn.functional.rms_norm`` raises, we raise with the same leading words
+(its OpInfo error tests match on them); the classes subclass the builtin
+types torch uses, so ``except RuntimeError`` keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torch_rmsnorm_op.reference import computation_dtype
+
+
+class RMSNormInputError(ValueError, RuntimeError):
+    """An input breaks the contract (shape, device, layout of the arguments)."""
+
+
+class RMSNormDTypeError(RMSNormInputError, NotImplementedError):
+    """An input has a dtype RMSNorm is not defined for (integer, bool, complex for the ops)."""
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_real_float(name: str, t: Tensor, op: str) -> None:
+    if not t.dtype.is_floating_point:
+        raise RMSNormDTypeError(
+            f"{op}: {name} must have a real floating-point dtype (float16, bfloat16, float32 or "
+            f"float64), got {t.dtype}"
+        )
+
+
+def check_functional_args(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None
+) -> tuple[int, ...]:
+    """Validate ``rms_norm(input, normalized_shape, weight)`` as ``F.rms_norm`` does.
+
+    Returns ``normalized_shape`` as a tuple of ints.
+    """
+    if isinstance(normalized_shape, int) or not isinstance(normalized_shape, (Sequence, torch.Size)):
+        raise TypeError(
+            f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, not "
+            f"{type(normalized_shape).__name__}"
+        )
+    shape = tuple(int(s) for s in normalized_shape)
+    if len(shape) == 0:
+        raise RMSNormInputError(
+            "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
+            f"element, but got normalized_shape = {list(shape)}"
+        )
+    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+        raise RMSNormDTypeError(
+            f'"rms_norm" not implemented for {input.dtype}: input must be a floating-point or complex tensor'
+        )
+    if weight is not None and tuple(weight.shape) != shape:
+        raise RMSNormInputError(
+            "Expected weight to be of same shape as normalized_shape, but got weight of shape "
+            f"{_shape(weight)} and normalized_shape = {list(shape)}"
+        )
+    if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
+        raise RMSNormInputError(
+            f"Given normalized_shape={list(shape)}, expected input with shape [*"
+            f"{', '.join(str(s) for s in shape)}], but got input of size{_shape(input)}"
+        )
+    if weight is not None and weight.device != input.device:
+        raise RMSNormInputError(
+            f"rms_norm: weight must be on the same device as input (weight: {weight.device}, "
+            f"input: {input.device})"
+        )
+    return shape
+
+
+def check_forward_args(x: Tensor, weight: Tensor | None) -> None:
+    """Validate ``rmsnorm::fwd(x, weight, eps)``: normalizes over x's last dim."""
+    op = "rmsnorm.fwd"
+    if x.dim() < 1:
+        raise RMSNormInputError(f"{op}: x must have at least 1 dimension (the normalized one), got a 0-dim tensor")
+    _check_real_float("x", x, op)
+    _check_weight(op, x, weight)
+
+
+def _check_weight(op: str, x: Tensor, weight: Tensor | None) -> None:
+    if weight is None:
+        return
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise RMSNormInputError(
+            f"{op}: weight must have shape [N] = [{x.shape[-1]}] (x's last dim), got {_shape(weight)}"
+        )
+    if weight.device != x.device:
+        raise RMSNormInputError(
+            f"{op}: weight must be on the same device as x (weight: {weight.device}, x: {x.device})"
+        )
+    if weight.dtype.is_complex:
+        raise RMSNormDTypeError(f"{op}: weight must be real, got {weight.dtype}")
+
+
+def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> None:
+    """Validate ``rmsnorm::bwd(dy, x, weight, rstd)`` against the forward's contract."""
+    op = "rmsnorm.bwd"
+    check_forward_args(x, weight)
+    if dy.device != x.device:
+        raise RMSNormInputError(f"{op}: dy must be on x's device (dy: {dy.device}, x: {x.device})")
+    if dy.shape != x.shape:
+        raise RMSNormInputError(f"{op}: dy must have x's shape {_shape(x)}, got {_shape(dy)}")
+    if dy.dtype != x.dtype:
+        raise RMSNormDTypeError(f"{op}: dy must have x's dtype {x.dtype}, got {dy.dtype}")
+    want = computation_dtype(x.dtype)
+    if rstd.device != x.device:
+        raise RMSNormInputError(f"{op}: rstd must be on x's device (rstd: {rstd.device}, x: {x.device})")
+    if rstd.shape != x.shape[:-1]:
+        raise RMSNormInputError(
+            f"{op}: rstd must have shape x.shape[:-1] = {_shape(x)[:-1]}, got {_shape(rstd)}"
+        )
+    if rstd.dtype != want:
+        raise RMSNormDTypeError(f"{op}: rstd must be {want} for x of dtype {x.dtype}, got {rstd.dtype}")

@@ -1,0 +1,165 @@
+"""The ops ``torch.ops.rmsnorm.fwd`` / ``torch.ops.rmsnorm.bwd``: schema, fake, autograd, functional.
+
+Registered with ``torch.library.custom_op``: under ``torch.compile`` each op is
+one opaque call, so the fallback policy and the dispatch counters act at run
+time, exactly as in eager mode, and CPU tensors run the kernels through the
+Triton interpreter even inside compiled graphs (README, "Design").
+
+    fwd(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)
+    bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)
+
+``y``/``dx`` are contiguous with x's shape and dtype; ``rstd`` has shape
+``x.shape[:-1]`` and the computation dtype (float32; float64 for float64 x);
+``dweight`` has the weight's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torch_rmsnorm_op import reference
+from torch_rmsnorm_op.contract import check_backward_args, check_forward_args, check_functional_args
+from torch_rmsnorm_op.fallback import kernel_unsupported_reason, record_fallback, record_kernel
+
+_ROWS_REASON = "x's rows cannot be addressed with a single row stride"
+
+
+def _kernels():
+    # Imported on first use: the kernels are defined then, so TRITON_INTERPRET may be
+    # set any time before the first call (python -m torch_rmsnorm_op does so without CUDA).
+    from torch_rmsnorm_op import kernels
+
+    return kernels
+
+
+def _as_rows(t: Tensor) -> Tensor | None:
+    """``t`` viewed as [M, N] with a contiguous last dim and one row stride, else None (no copy)."""
+    n = t.shape[-1]
+    if n > 1 and t.stride(-1) != 1:
+        return None
+    try:
+        return t.view(-1, n)
+    except RuntimeError:
+        return None
+
+
+def _kernel_rows(op: str, x: Tensor, weight: Tensor | None) -> Tensor | None:
+    """x as rows for the kernels, or None after the fallback policy has been applied."""
+    reason = kernel_unsupported_reason(x, weight)
+    rows = None
+    if reason is None and x.shape[-1] > 0:
+        rows = _as_rows(x)
+        if rows is None:
+            reason = _ROWS_REASON
+    if reason is not None:
+        record_fallback(op, reason)
+        return None
+    record_kernel(op)
+    return rows
+
+
+@torch.library.custom_op(
+    "rmsnorm::fwd", mutates_args=(), schema="(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)"
+)
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    check_forward_args(x, weight)
+    rows = _kernel_rows("rmsnorm.fwd", x, weight)
+    if rows is None and x.shape[-1] > 0:
+        with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
+            return reference.rms_norm_forward(x, weight, eps)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if rows is None:  # N == 0: nothing to normalize; mean of an empty row is NaN, as in torch
+        return y, rstd.fill_(math.nan)
+    n = x.shape[-1]
+    _kernels().launch_forward(rows, None if weight is None else weight.contiguous(), eps, y.view(-1, n), rstd.view(-1))
+    return y, rstd
+
+
+@rms_norm_fwd.register_fake
+def _(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    check_forward_args(x, weight)
+    return (
+        x.new_empty(x.shape),
+        x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)),
+    )
+
+
+@torch.library.custom_op(
+    "rmsnorm::bwd",
+    mutates_args=(),
+    schema="(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)",
+)
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+    check_backward_args(dy, x, weight, rstd)
+    rows = _kernel_rows("rmsnorm.bwd", x, weight)
+    if rows is None and x.shape[-1] > 0:
+        with torch.profiler.record_function("rmsnorm.bwd [reference fallback]"):
+            return reference.rms_norm_backward(dy, x, weight, rstd)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
+    if x.numel() == 0:
+        return dx, None if dweight is None else dweight.zero_()
+    n = x.shape[-1]
+    dy_rows = _as_rows(dy)
+    if dy_rows is None:  # e.g. an expanded gradient from .sum().backward(): copy, it is not x
+        dy_rows = dy.contiguous().view(-1, n)
+    _kernels().launch_backward(
+        dy_rows, rows, None if weight is None else weight.contiguous(), rstd.reshape(-1),
+        dx.view(-1, n), dweight,
+    )
+    return dx, dweight
+
+
+@rms_norm_bwd.register_fake
+def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+    check_backward_args(dy, x, weight, rstd)
+    return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, eps = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.eps = eps
+    ctx.save_for_backward(x, weight, rstd)
+
+
+def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
+    x, weight, rstd = ctx.saved_tensors
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the gradient must itself be differentiable, rstd included,
+        # so take the reference formula over a recomputed rstd.
+        rstd = reference.rms_norm_forward(x, None, ctx.eps)[1]
+        dx, dweight = reference.rms_norm_backward(dy, x, weight, rstd)
+    else:
+        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd)
+    need_x, need_w, _ = ctx.needs_input_grad
+    return (dx if need_x else None), (dweight if need_w else None), None
+
+
+torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context)
+
+
+def rms_norm(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
+) -> Tensor:
+    """``torch.nn.functional.rms_norm`` backed by ``torch.ops.rmsnorm``: same signature, defaults
+    (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes and gradients.
+    ``normalized_shape`` may span several trailing dims; complex inputs take the reference path."""
+    shape = check_functional_args(input, normalized_shape, weight)
+    if eps is None:
+        eps = reference.default_eps(input.dtype)
+    if input.is_complex() or (weight is not None and weight.is_complex()):
+        record_fallback("rms_norm", f"complex dtype {input.dtype}")
+        return reference.rms_norm_reference(input, shape, weight, eps)
+    if len(shape) == 1:
+        return torch.ops.rmsnorm.fwd(input, weight, float(eps))[0]
+    n = math.prod(shape)
+    x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
+    y, _ = torch.ops.rmsnorm.fwd(x, None if weight is None else weight.reshape(n), float(eps))
+    return y.view(input.shape)
