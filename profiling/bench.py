@@ -62,7 +62,6 @@ def copy_ceiling(iters: int, repeats: int) -> float:
     a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
     us = gpu_us(lambda: b.copy_(a), iters, repeats)
-    del a, b
     return 2 * (1 << 30) * 2 / (us * 1e-6) / 1e9
 
 
@@ -102,13 +101,13 @@ def bench_shape(m, n, dtype, iters, repeats, copy_gbs):
     for name, fn in impls.items():
         it = iter(range(10**12))
 
-        def fwd():
+        xg = [x.detach().clone().requires_grad_(True) for x in xs]
+
+        def fwd(fn=fn, it=it):
             with torch.no_grad():
                 fn(xs[next(it) % sets])
 
-        xg = [x.detach().clone().requires_grad_(True) for x in xs]
-
-        def fwd_bwd():
+        def fwd_bwd(fn=fn, it=it, xg=xg):
             i = next(it) % sets
             xg[i].grad = None
             w.grad = None
@@ -202,7 +201,8 @@ def write_results(result: dict, out_dir: str) -> str:
             ax.grid(True, alpha=0.3)
         axes[0].set_ylabel("% of copy ceiling")
         axes[0].legend()
-        fig.suptitle(f"RMSNorm on {result['gpu']} (torch {result['torch']}, Triton {result['triton']}, {result['date']})")
+        fig.suptitle(f"RMSNorm on {result['gpu']} (torch {result['torch']}, Triton {result['triton']}, "
+                     f"{result['date']})")
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
     except ImportError:
