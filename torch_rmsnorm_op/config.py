@@ -13,20 +13,19 @@ from dataclasses import dataclass
 import torch
 
 # Largest row length the kernels serve; longer rows go to the fallback policy.
-# The looped path has no cliff up to here; the backward scratch is
-# programs x N fp32, so this bounds the scratch as well.
+# Split mode has no cliff up to here (64 programs of 16384 columns per row).
 MAX_N = 1 << 20
 
-# Forward keeps the whole row in registers up to this N (fp32 elements per
-# thread stay <= 32 at 16 warps); longer rows loop over FWD_LOOP_BLOCK chunks.
+# Rows up to this N stay whole in one program's registers (single-pass mode);
+# longer rows are split over several programs of at most SPLIT_BLOCK columns.
 FWD_SINGLE_PASS_MAX_N = 16384
-FWD_LOOP_BLOCK = 4096
-# Backward holds x, dy, weight and the dweight accumulator per row: half the span.
 BWD_SINGLE_PASS_MAX_N = 8192
-BWD_LOOP_BLOCK = 2048
+FWD_SPLIT_BLOCK = 16384
+BWD_SPLIT_BLOCK = 8192
 # Small rows: pack several rows per program so each moves a useful tile.
-TILE_ELEMENTS = 4096
-# Backward grid for dweight partials: programs per multiprocessor.
+FWD_TILE_ELEMENTS = 4096
+BWD_TILE_ELEMENTS = 2048
+# Backward grid: programs per multiprocessor (bounds the dweight scratch: groups x N fp32).
 BWD_PROGRAMS_PER_SM = 2
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
@@ -46,12 +45,14 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One launch shape: BLOCK_N columns x ROWS rows per step."""
+    """One launch shape: ``rows`` rows of ``block_n`` columns per program, or, with
+    ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns."""
 
     block_n: int
     rows: int
     num_warps: int
-    single_pass: bool
+    split: int = 1
+    programs_per_sm: int = BWD_PROGRAMS_PER_SM  # backward only
 
 
 def _warps_for(elements: int) -> int:
@@ -59,22 +60,26 @@ def _warps_for(elements: int) -> int:
     return max(1, min(16, next_power_of_2(elements) // 512))
 
 
-def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
-    """Forward launch shape for rows of length ``n`` (``n >= 1``)."""
-    if n <= FWD_SINGLE_PASS_MAX_N:
+def _config(n: int, single_max: int, split_block: int, tile: int) -> KernelConfig:
+    if n <= single_max:
         block = next_power_of_2(n)
-        rows = max(1, TILE_ELEMENTS // block)
-        return KernelConfig(block, rows, _warps_for(block * rows), True)
-    return KernelConfig(FWD_LOOP_BLOCK, 1, _warps_for(FWD_LOOP_BLOCK), False)
+        rows = max(1, tile // block)
+        return KernelConfig(block, rows, _warps_for(block * rows))
+    split = next_power_of_2(cdiv(n, split_block))
+    block = next_power_of_2(cdiv(n, split))
+    return KernelConfig(block, 1, _warps_for(block), split)
 
 
+@functools.cache
+def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
+    """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
+    return _config(n, FWD_SINGLE_PASS_MAX_N, FWD_SPLIT_BLOCK, FWD_TILE_ELEMENTS)
+
+
+@functools.cache
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
-    if n <= BWD_SINGLE_PASS_MAX_N:
-        block = next_power_of_2(n)
-        rows = max(1, TILE_ELEMENTS // 2 // block)
-        return KernelConfig(block, rows, _warps_for(block * rows), True)
-    return KernelConfig(BWD_LOOP_BLOCK, 1, _warps_for(BWD_LOOP_BLOCK), False)
+    return _config(n, BWD_SINGLE_PASS_MAX_N, BWD_SPLIT_BLOCK, BWD_TILE_ELEMENTS)
 
 
 @functools.cache
@@ -86,10 +91,10 @@ def sm_count(device: torch.device) -> int:
 
 
 def backward_programs(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
-    """``(programs, rows_per_program)`` for the backward grid; every program gets >= 1 row,
-    so every dweight partial row is written."""
-    target = BWD_PROGRAMS_PER_SM * sm_count(device)
-    rows_per_program = cdiv(m, target)
-    # Whole tiles per program, so only the last program has a ragged tile.
-    rows_per_program = cdiv(rows_per_program, cfg.rows) * cfg.rows
-    return cdiv(m, rows_per_program), rows_per_program
+    """``(row groups, rows per group)`` for the backward grid (``groups * cfg.split`` programs).
+    Every group gets >= 1 row, so every dweight partial row is written."""
+    target = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
+    rows_per_group = cdiv(m, target)
+    # Whole tiles per group, so only the last group has a ragged tile.
+    rows_per_group = cdiv(rows_per_group, cfg.rows) * cfg.rows
+    return cdiv(m, rows_per_group), rows_per_group

@@ -6,14 +6,23 @@ Math (``reference.py`` is the oracle), per row ``x`` of length ``N``::
     u = dy * w,  c = mean(u * x)                 dx = rstd * (u - x * rstd**2 * c)
     dw = sum over rows of dy * x * rstd
 
-All arithmetic is fp32. Rows may be strided (last dim contiguous, any row
-stride); offsets are 64-bit. dweight is reduced deterministically: each
-backward program writes one fp32 partial row (scratch is programs x N, never
-M x N), then ``_rms_norm_dw_reduce`` sums the partials in a fixed order. No
-float atomics anywhere.
+All arithmetic is fp32; offsets are 64-bit; rows may be strided (last dim
+contiguous, any row stride). x is read once in both directions:
 
-The launchers take validated 2-D tensors and write into the outputs they are
-given; ``ops.py`` allocates, validates and decides when to use them.
+- single-pass mode (``SPLIT == 1``): a program holds ``ROWS`` whole rows in
+  registers;
+- split mode (``SPLIT > 1``, long rows): ``SPLIT`` consecutive programs each
+  hold one ``BLOCK_N`` chunk of a row, publish a partial sum, meet at a
+  per-row barrier (``_arrive_and_wait``; atomics count, never sum) and add the
+  ``SPLIT`` partials in one fixed order. Under the Triton interpreter, which
+  runs programs one after another, the same kernel runs in two launches
+  (``PHASE`` 1 then 2) instead of meeting at a barrier.
+
+dweight is reduced deterministically: each backward program (single-pass) or
+row group (split) writes one fp32 partial row (scratch is groups x N, never
+M x N), and ``_rms_norm_dw_reduce`` sums the partials in a fixed order. No
+float atomics anywhere. The launchers take validated 2-D tensors and write
+into the outputs they are given; ``ops.py`` allocates and validates.
 """
 
 from __future__ import annotations
@@ -23,7 +32,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from torch_rmsnorm_op.config import REDUCE_BLOCK_N, REDUCE_BLOCK_P, backward_config, backward_programs, forward_config
+from torch_rmsnorm_op.config import (
+    REDUCE_BLOCK_N,
+    REDUCE_BLOCK_P,
+    KernelConfig,
+    backward_config,
+    backward_programs,
+    cdiv,
+    forward_config,
+)
 
 
 @triton.jit
@@ -32,11 +49,24 @@ def _rstd(sum_sq, n, eps):
 
 
 @triton.jit
+def _arrive_and_wait(COUNTER, expected):
+    """Barrier for the SPLIT programs of one row. The launcher numbers a row's programs
+    consecutively and blocks start in id order, so all of them get to run."""
+    tl.debug_barrier()  # every thread's partial store precedes the release below
+    count = tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1
+    while count < expected:
+        count = tl.atomic_add(COUNTER, 0, sem="acquire")
+    tl.debug_barrier()
+
+
+@triton.jit
 def _rms_norm_fwd(
     X,  # input  [M, N], row stride stride_x, last dim contiguous
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     Y,  # output [M, N], row stride stride_y
     RSTD,  # output [M] fp32
+    PARTIAL,  # split mode: [M, SPLIT] fp32 partial sums of squares
+    COUNT,  # split mode, PHASE 0: [M] int32 zeros, the row barriers
     stride_x,
     stride_y,
     M,
@@ -45,41 +75,41 @@ def _rms_norm_fwd(
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
 ):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = rows < M
-    cols = tl.arange(0, BLOCK_N)
-    x_rows = X + rows[:, None] * stride_x
-    y_rows = Y + rows[:, None] * stride_y
-    if SINGLE_PASS:
-        # The whole row tile lives in registers: x is read once.
+    if SPLIT == 1:
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_mask = rows < M
+        cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols[None, :] < N)
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
         y = x * rstd[:, None]
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             y = y * w[None, :]
-        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c[None, :] < N)
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            acc += x * x
-        rstd = _rstd(tl.sum(acc, axis=1), N, eps)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = row_mask[:, None] & (c[None, :] < N)
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            y = x * rstd[:, None]
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // SPLIT
+        chunk = pid % SPLIT
+        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        slots = PARTIAL + row * SPLIT
+        if PHASE != 2:
+            tl.store(slots + chunk, tl.sum(x * x, axis=0))
+        if PHASE == 0:
+            _arrive_and_wait(COUNT + row, SPLIT)
+        if PHASE != 1:
+            rstd = _rstd(tl.sum(tl.load(slots + tl.arange(0, SPLIT), volatile=True), axis=0), N, eps)
+            y = x * rstd
             if HAS_WEIGHT:
-                w = tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-                y = y * w[None, :]
-            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+                y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(RSTD + row, rstd, mask=chunk == 0)
 
 
 @triton.jit
@@ -89,27 +119,32 @@ def _rms_norm_bwd(
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride stride_dx
-    DW_PARTIAL,  # scratch [programs, N] fp32: this program's dweight partial row
+    DW_PARTIAL,  # scratch [row groups, N] fp32: one dweight partial row per group
+    PARTIAL,  # split mode: [M, SPLIT] fp32 partial sums of dy * w * x
+    COUNT,  # split mode, PHASE 0: [M] int32 zeros, the row barriers
     stride_dy,
     stride_x,
     stride_dx,
     M,
     N,
-    rows_per_program,
+    rows_per_group,
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    SINGLE_PASS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
 ):
+    # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, M)
-    cols = tl.arange(0, BLOCK_N)
-    dw_row = DW_PARTIAL + pid * N
-    if SINGLE_PASS:
-        col_mask = cols < N
-        if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    group = pid // SPLIT
+    chunk = pid % SPLIT
+    row_start = group * rows_per_group
+    row_end = tl.minimum(row_start + rows_per_group, M)
+    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if SPLIT == 1:
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         for first in range(row_start, row_end, ROWS):
             rows = first + tl.arange(0, ROWS)
@@ -125,34 +160,29 @@ def _rms_norm_bwd(
             dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            tl.store(DW_PARTIAL + group * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for row in range(row_start, row_end):
-            x_row = X + row * stride_x
-            dy_row = DY + row * stride_dy
-            rstd = tl.load(RSTD + row)
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                c = start + cols
-                x = tl.load(x_row + c, mask=c < N, other=0.0).to(tl.float32)
-                u = tl.load(dy_row + c, mask=c < N, other=0.0).to(tl.float32)
+            x = tl.load(X + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=col_mask, other=0.0).to(tl.float32)
+            u = dy
+            if HAS_WEIGHT:
+                u = dy * w
+            slots = PARTIAL + row * SPLIT
+            if PHASE != 2:
+                tl.store(slots + chunk, tl.sum(u * x, axis=0))
+            if PHASE == 0:
+                _arrive_and_wait(COUNT + row, SPLIT)
+            if PHASE != 1:
+                rstd = tl.load(RSTD + row)
+                c = tl.sum(tl.load(slots + tl.arange(0, SPLIT), volatile=True), axis=0) / N
+                dx = (u - x * (rstd * rstd * c)) * rstd
+                tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
                 if HAS_WEIGHT:
-                    u = u * tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-                acc += u * x
-            scale = rstd * rstd * (tl.sum(acc, axis=0) / N)
-            for start in range(0, N, BLOCK_N):
-                c = start + cols
-                x = tl.load(x_row + c, mask=c < N, other=0.0).to(tl.float32)
-                dy = tl.load(dy_row + c, mask=c < N, other=0.0).to(tl.float32)
-                u = dy
-                if HAS_WEIGHT:
-                    u = dy * tl.load(W + c, mask=c < N, other=0.0).to(tl.float32)
-                    # The program's first row starts the partial: its load is fully masked.
-                    prev_n = tl.where(row > row_start, N, 0)
-                    prev = tl.load(dw_row + c, mask=c < prev_n, other=0.0)
-                    tl.store(dw_row + c, prev + dy * x * rstd, mask=c < N)
-                dx = (u - x * scale) * rstd
-                tl.store(DX + row * stride_dx + c, dx.to(DX.dtype.element_ty), mask=c < N)
+                    dw_acc += dy * x * rstd
+        if PHASE != 1 and HAS_WEIGHT:
+            tl.store(DW_PARTIAL + group * N + cols, dw_acc, mask=col_mask)
 
 
 @triton.jit
@@ -175,53 +205,69 @@ def _rms_norm_dw_reduce(
     tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
 
 
-def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor) -> None:
+def is_interpreted() -> bool:
+    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU tensors)."""
+    return not isinstance(_rms_norm_fwd, triton.runtime.JITFunction)
+
+
+def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
+            meta: dict) -> None:
+    """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
+    barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
+    meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps)
+    if cfg.split == 1:
+        kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
+        return
+    partial = torch.empty((m, cfg.split), dtype=torch.float32, device=device)
+    if is_interpreted():
+        for phase in (1, 2):
+            kernel[(grid,)](*before, partial, partial, *after, PHASE=phase, **meta)
+    else:
+        count = torch.zeros((m,), dtype=torch.int32, device=device)
+        kernel[(grid,)](*before, partial, count, *after, PHASE=0, **meta)
+
+
+def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
+                   cfg: KernelConfig | None = None) -> None:
     """Write ``y`` [M, N] and ``rstd`` [M] for ``x`` [M, N] (``N >= 1``, last dims contiguous,
-    weight contiguous [N] or None)."""
+    weight contiguous [N] or None). ``cfg`` overrides the table (for tuning)."""
     m, n = x.shape
     if m == 0:
         return
-    cfg = forward_config(n, x.dtype)
-    _rms_norm_fwd[(triton.cdiv(m, cfg.rows),)](
-        x, weight if weight is not None else x, y, rstd,
-        x.stride(0), y.stride(0), m, n, eps,
-        BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=weight is not None,
-        SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
-    )
+    cfg = cfg or forward_config(n, x.dtype)
+    grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
+    _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
+            [x.stride(0), y.stride(0), m, n, eps], dict(HAS_WEIGHT=weight is not None))
 
 
-def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype) -> Tensor:
-    """Uninitialized fp32 scratch for the dweight partials: [programs, N]."""
-    programs, _ = backward_programs(m, n, device, backward_config(n, dtype))
-    return torch.empty((programs, n), dtype=torch.float32, device=device)
+def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
+                       cfg: KernelConfig | None = None) -> Tensor:
+    """Uninitialized fp32 scratch for the dweight partials: [row groups, N]."""
+    groups, _ = backward_programs(m, n, device, cfg or backward_config(n, dtype))
+    return torch.empty((groups, n), dtype=torch.float32, device=device)
 
 
 def launch_backward(
     dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor, dweight: Tensor | None,
-    workspace: Tensor | None = None,
+    workspace: Tensor | None = None, cfg: KernelConfig | None = None,
 ) -> None:
     """Write ``dx`` [M, N] and, with a weight, ``dweight`` [N] (``M, N >= 1``).
 
-    ``workspace`` is the dweight scratch (``backward_workspace``); allocated when None.
+    ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None;
+    ``cfg`` overrides the table (for tuning).
     """
     m, n = x.shape
-    cfg = backward_config(n, x.dtype)
-    programs, rows_per_program = backward_programs(m, n, x.device, cfg)
+    cfg = cfg or backward_config(n, x.dtype)
+    groups, rows_per_group = backward_programs(m, n, x.device, cfg)
     has_weight = weight is not None
     if has_weight and workspace is None:
-        workspace = backward_workspace(m, n, x.device, x.dtype)
-    _rms_norm_bwd[(programs,)](
-        dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx,
-        dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_program,
-        BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight,
-        SINGLE_PASS=cfg.single_pass, num_warps=cfg.num_warps,
+        workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
+    _launch(
+        _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
+        [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
+        [dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_group], dict(HAS_WEIGHT=has_weight),
     )
     if has_weight:
-        _rms_norm_dw_reduce[(triton.cdiv(n, REDUCE_BLOCK_N),)](
-            workspace, dweight, programs, n, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
+        _rms_norm_dw_reduce[(cdiv(n, REDUCE_BLOCK_N),)](
+            workspace, dweight, groups, n, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
         )
-
-
-def is_interpreted() -> bool:
-    """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU tensors)."""
-    return not isinstance(_rms_norm_fwd, triton.runtime.JITFunction)
