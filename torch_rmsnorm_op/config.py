@@ -16,17 +16,31 @@ import torch
 # Split mode has no cliff up to here (64 programs of 16384 columns per row).
 MAX_N = 1 << 20
 
-# Rows up to this N stay whole in one program's registers (single-pass mode);
-# longer rows are split over several programs of at most SPLIT_BLOCK columns.
-FWD_SINGLE_PASS_MAX_N = 16384
-BWD_SINGLE_PASS_MAX_N = 8192
-FWD_SPLIT_BLOCK = 16384
-BWD_SPLIT_BLOCK = 8192
-# Small rows: pack several rows per program so each moves a useful tile.
-FWD_TILE_ELEMENTS = 4096
-BWD_TILE_ELEMENTS = 2048
-# Backward grid: programs per multiprocessor (bounds the dweight scratch: groups x N fp32).
-BWD_PROGRAMS_PER_SM = 2
+# The ladders below were chosen on the H200 (bf16, M*N = 128 Mi elements, launcher GPU
+# time, % of the copy ceiling measured in the same run) by profiling/tune.py:
+# profiling/results/2026-11-29-h200-tune/tune.json.
+#
+# Forward, single-pass (whole rows in registers): (max N, elements per program, warps).
+FWD_LADDER = (
+    (1024, 4096, 8),  # N=1024: 4 rows/program 95.7%
+    (4096, 16384, 8),  # N=4096: 4 rows 94.2% (1 row 93.1%)
+    (8192, 16384, 4),  # N=8192: 2 rows 95.3% (8 warps 93.4%)
+    (16384, 16384, 8),  # 94.0% (16 warps 91.9%)
+    (32768, 32768, 16),  # 90.2% (split 4 x 8192: 75.5%)
+)
+# Forward beyond the ladder, split mode: (columns per program, warps).
+# 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%).
+FWD_SPLIT = (8192, 8)
+# Backward, single-pass: (max N, elements per program, warps, programs per SM).
+BWD_LADDER = (
+    (1024, 4096, 4, 4),  # N=1024: 4 rows 80.2% (2 rows/2 per SM, the first table: 42.6%)
+    (4096, 16384, 16, 2),  # 84.4%
+    (8192, 16384, 16, 1),  # 86.8%
+    (16384, 16384, 16, 1),  # 76.5% (split 2 x 8192: below 70%)
+)
+# Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
+# 56.4% at N=32768, 54.7% at 65536, 45.1% at 262144.
+BWD_SPLIT = (16384, 8, 1)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -46,40 +60,38 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class KernelConfig:
     """One launch shape: ``rows`` rows of ``block_n`` columns per program, or, with
-    ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns."""
+    ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns.
+    ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch)."""
 
     block_n: int
     rows: int
     num_warps: int
     split: int = 1
-    programs_per_sm: int = BWD_PROGRAMS_PER_SM  # backward only
+    programs_per_sm: int = 1
 
 
-def _warps_for(elements: int) -> int:
-    # About 16 elements per thread, between 1 and 16 warps.
-    return max(1, min(16, next_power_of_2(elements) // 512))
-
-
-def _config(n: int, single_max: int, split_block: int, tile: int) -> KernelConfig:
-    if n <= single_max:
-        block = next_power_of_2(n)
-        rows = max(1, tile // block)
-        return KernelConfig(block, rows, _warps_for(block * rows))
+def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
+    block = next_power_of_2(n)
+    for max_n, elements, warps, *pps in ladder:
+        if n <= max_n:
+            rows = max(1, elements // block)
+            # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
+            warps = max(1, min(warps, block * rows // 128))
+            return KernelConfig(block, rows, warps, 1, *pps)
     split = next_power_of_2(cdiv(n, split_block))
-    block = next_power_of_2(cdiv(n, split))
-    return KernelConfig(block, 1, _warps_for(block), split)
+    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps)
 
 
 @functools.cache
 def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
-    return _config(n, FWD_SINGLE_PASS_MAX_N, FWD_SPLIT_BLOCK, FWD_TILE_ELEMENTS)
+    return _config(n, FWD_LADDER, *FWD_SPLIT, 1)
 
 
 @functools.cache
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
-    return _config(n, BWD_SINGLE_PASS_MAX_N, BWD_SPLIT_BLOCK, BWD_TILE_ELEMENTS)
+    return _config(n, BWD_LADDER, *BWD_SPLIT)
 
 
 @functools.cache

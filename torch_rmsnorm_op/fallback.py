@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from torch_rmsnorm_op.config import MAX_N
+from torch_rmsnorm_op.config import MAX_N, backward_config, forward_config, sm_count
 
 log = logging.getLogger("torch_rmsnorm_op")
 
@@ -107,6 +107,12 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
         return f"N = {n} above the kernels' maximum {MAX_N}"
     if n > 1 and x.stride(-1) != 1:
         return "x's last dimension is not contiguous"
+    if x.device.type == "cuda":
+        # Split mode needs all of a row's programs resident at once (they meet at a barrier):
+        # never more of them than the GPU has multiprocessors.
+        split = max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split)
+        if split > sm_count(x.device):
+            return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(x.device)} SMs"
     return None
 
 
