@@ -16,17 +16,23 @@ from torch_rmsnorm_op.fallback import (
 )
 from torch_rmsnorm_op.module import RMSNorm
 from torch_rmsnorm_op.ops import rms_norm
+from torch_rmsnorm_op.patch import PatchedRMSNorm, PatchReport, patch_rmsnorm, patched_rmsnorm, unpatch_rmsnorm
 
 __all__ = [
     "FallbackError",
+    "PatchReport",
+    "PatchedRMSNorm",
     "RMSNorm",
     "RMSNormDTypeError",
     "RMSNormInputError",
     "dispatch_stats",
     "fallback_policy",
     "get_fallback_policy",
+    "patch_rmsnorm",
+    "patched_rmsnorm",
     "reset_dispatch_stats",
     "rms_norm",
     "set_fallback_policy",
+    "unpatch_rmsnorm",
 ]
 __version__ = "0.1.0"

@@ -45,6 +45,16 @@ def _check(args: argparse.Namespace) -> int:
     return 0 if not failures else 1
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from torch_rmsnorm_op.demo import run_demo
+
+    text = run_demo(args.logdir)
+    print(text)
+    print(f"Traces: {args.logdir}/stock and {args.logdir}/patched (*.pt.trace.json; open them in Perfetto too).")
+    print(f"View:   tensorboard --logdir {args.logdir}   (PyTorch Profiler tab: runs 'stock' and 'patched')")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torch_rmsnorm_op", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
@@ -58,5 +68,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="the large N of the grid (default: 262144 on CUDA, 32771 on CPU)")
     check.add_argument("--progress", action="store_true", help="show progress on stderr")
     check.set_defaults(func=_check)
+    demo = sub.add_parser(
+        "demo",
+        help="compile a model twice (Inductor's RMSNorm vs ours), check they agree, profile both, summarize",
+    )
+    demo.add_argument("--logdir", default="runs", help="where the runs and the summary go (default: runs)")
+    demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return args.func(args)

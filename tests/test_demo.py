@@ -1,0 +1,71 @@
+"""The demo end to end on this machine's device, its trace summary, and TensorBoard over its runs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def demo_logdir(tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("runs")
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "demo", "--logdir", str(logdir)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return logdir, out.stdout
+
+
+def test_demo_writes_runs_summary_and_says_how_to_view(demo_logdir):
+    logdir, stdout = demo_logdir
+    assert "outputs agree" in stdout and "tensorboard --logdir" in stdout
+    for run in ("stock", "patched"):
+        assert list((logdir / run).glob("*.pt.trace.json")), run
+        assert list((logdir / run).glob("events.out.tfevents.*")), run
+    summary = (logdir / "summary.md").read_text()
+    assert "`rmsnorm::fwd` | 3 |" in summary or "_rms_norm_fwd" in summary
+    assert (logdir / "summary.png").stat().st_size > 0
+    if "CPU" in summary:
+        assert "not GPU timings" in summary
+
+
+def _get(port, path):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/data/plugin/pytorch_profiler/{path}", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_tensorboard_profiler_plugin_serves_both_runs(demo_logdir):
+    pytest.importorskip("torch_tb_profiler", reason="torch-tb-profiler is not installed here")
+    logdir, _ = demo_logdir
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tb = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
+                           "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    try:
+        deadline = time.monotonic() + 120
+        runs = None
+        while time.monotonic() < deadline:
+            try:
+                runs = _get(port, "runs")
+                if not runs["loading"] and len(runs["runs"]) == 2:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        assert runs and sorted(runs["runs"]) == ["patched", "stock"], runs
+        views = _get(port, "views?run=patched")
+        assert "Operator" in views, views
+        (worker,) = _get(port, "workers?run=patched&view=Operator")
+        (span,) = _get(port, f"spans?run=patched&worker={worker}")
+        table = _get(port, f"operation/table?run=patched&worker={worker}&span={span}&view=Operator&group_by=Operation")
+        names = {row["name"] for row in table["data"]}
+        assert "rmsnorm::fwd" in names and "rmsnorm::bwd" in names, sorted(names)[:20]
+    finally:
+        tb.terminate()
+        tb.wait(timeout=30)

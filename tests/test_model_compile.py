@@ -1,0 +1,116 @@
+"""A patched model under torch.compile: graphs, dynamic shapes, recompiles, a training step."""
+
+import copy
+import os
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import torch_rmsnorm_op as T
+from torch_rmsnorm_op.toy_models import TinyLlama
+
+
+def _models(device, seed=0):
+    torch.manual_seed(seed)
+    stock = TinyLlama().to(device)
+    with torch.no_grad():
+        for m in stock.modules():
+            if isinstance(m, torch.nn.RMSNorm):
+                m.weight.uniform_(0.5, 1.5)
+    patched = copy.deepcopy(stock)
+    assert len(T.patch_rmsnorm(patched).swapped) == 5
+    return stock, patched
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_patched_model_matches_stock(device, backend, dynamic):
+    torch._dynamo.reset()
+    stock, patched = _models(device)
+    tokens = torch.randint(0, 256, (2, 16), device=device)
+    assert torch._dynamo.explain(patched)(tokens).graph_break_count == 0
+    compiled = torch.compile(patched, backend=backend, fullgraph=True, dynamic=dynamic)
+    T.reset_dispatch_stats()
+    out = compiled(tokens)
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 5}
+    torch.testing.assert_close(out, stock(tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_mark_dynamic_no_recompiles_across_batch_sizes(device):
+    torch._dynamo.reset()
+    _, patched = _models(device)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(patched, backend=counter, fullgraph=True)
+    for batch in (2, 3, 5, 8):
+        tokens = torch.randint(0, 256, (batch, 16), device=device)
+        torch._dynamo.mark_dynamic(tokens, 0)
+        compiled(tokens).sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_compiled_training_step_matches_eager_stock(device):
+    torch._dynamo.reset()
+    stock, patched = _models(device)
+    opt_stock = torch.optim.AdamW(stock.parameters(), lr=1e-2)
+    opt_patched = torch.optim.AdamW(patched.parameters(), lr=1e-2)
+    compiled = torch.compile(patched, fullgraph=True)
+    for step in range(3):
+        tokens = torch.randint(0, 256, (2, 16), device=device, generator=torch.Generator(device).manual_seed(step))
+        for model, opt in ((stock, opt_stock), (compiled, opt_patched)):
+            opt.zero_grad()
+            logits = model(tokens[:, :-1])
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            opt.step()
+    # fp32 throughout; declared before comparing: 3 AdamW steps keep parameters within 1e-4.
+    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_has_no_cudagraph_skips():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    stock, patched = _models("cuda")
+    compiled = torch.compile(patched, mode="reduce-overhead", fullgraph=True)
+    tokens = torch.randint(0, 256, (4, 32), device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            out = compiled(tokens)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    torch.testing.assert_close(out, stock(tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+def test_export_and_aoti_package(tmp_path):
+    _, patched = _models("cuda")
+    tokens = torch.randint(0, 256, (2, 16), device="cuda")
+    ep = torch.export.export(patched, (tokens,))
+    assert "torch.ops.rmsnorm.fwd.default" in ep.graph_module.code
+    torch.testing.assert_close(ep.module()(tokens), patched(tokens))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        text = "".join(z.read(n).decode(errors="ignore") for n in names if n.endswith((".cpp", ".json", ".py")))
+    assert "rmsnorm" in text  # the op is called back through the proxy executor (custom_op: no kernel inside)
+    torch.save(tokens.cpu(), tmp_path / "tokens.pt")
+    torch.save(patched(tokens).detach().cpu(), tmp_path / "want.pt")
+    code = (
+        "import sys, torch, torch_rmsnorm_op\n"
+        f"m = torch._inductor.aoti_load_package({path!r})\n"
+        f"out = m(torch.load({str(tmp_path / 'tokens.pt')!r}).cuda())\n"
+        f"torch.testing.assert_close(out.cpu(), torch.load({str(tmp_path / 'want.pt')!r}), atol=1e-4, rtol=1e-4)\n"
+        "print('AOTI package ran and matched')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    print(f"aoti load-and-run: rc={run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}")
+    if run.returncode < 0:
+        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}): the known "
+                     "environment fault on this machine (SPEC §2.1); the package compiled and was inspected")
+    assert run.returncode == 0, run.stderr[-2000:]
