@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections import defaultdict
 
@@ -55,7 +56,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from torch_rmsnorm_op.benchmark import run
+
+    stem = run(args.out, args.iters, args.repeats, args.quick, args.smoke)
+    print(open(stem + ".md").read())
+    print(f"wrote {stem}.json, .md, .png")
+    return 0
+
+
+def _train_integration(args: argparse.Namespace) -> int:
+    from torch_rmsnorm_op.training import train_integration
+
+    result = train_integration(steps=args.steps, out_dir=args.out)
+    ok = (result["kernel_forwards"] == args.steps and result["kernel_backwards"] == args.steps
+          and result["reload_max_abs_error"] == 0.0)
+    print("integration run OK" if ok else "integration run FAILED: counters or reload error")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    # The kernels run on CPU tensors only through the Triton interpreter, which must be
+    # chosen before triton is imported and any kernel defined: without CUDA, choose it.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     parser = argparse.ArgumentParser(prog="python -m torch_rmsnorm_op", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     check = sub.add_parser(
@@ -74,5 +98,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--logdir", default="runs", help="where the runs and the summary go (default: runs)")
     demo.set_defaults(func=_demo)
+    bench = sub.add_parser(
+        "bench", help="time ours vs Inductor vs eager over a shape sweep, with the copy ceiling (GPU; --smoke on CPU)"
+    )
+    bench.add_argument("--out", default="profiling/results", help="output folder (default: profiling/results)")
+    bench.add_argument("--iters", type=int, default=20, help="iterations per timed window")
+    bench.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
+    bench.add_argument("--quick", action="store_true", help="fewer shapes")
+    bench.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU too (timings not GPU timings)")
+    bench.set_defaults(func=_bench)
+    integ = sub.add_parser(
+        "train-integration",
+        help="the tutorial's integration run: Linear-RMSNorm-SiLU-Linear, reference vs kernel path, 100 Adam steps",
+    )
+    integ.add_argument("--steps", type=int, default=100)
+    integ.add_argument("--out", default="outputs/integration", help="where the weights are saved and reloaded")
+    integ.set_defaults(func=_train_integration)
     args = parser.parse_args(argv)
     return args.func(args)

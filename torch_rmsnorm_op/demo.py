@@ -80,13 +80,15 @@ def run_demo(logdir: str = "runs", device: str | None = None, shape: DemoShape |
     from torch.utils.tensorboard import SummaryWriter
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    # The run (directory) names the variant; the worker names where it ran, not the variant again.
+    worker = f"cuda{torch.cuda.current_device()}" if device == "cuda" else "cpu"
     os.makedirs(logdir, exist_ok=True)
     for name, fn in compiled.items():
         step(fn)  # compile the backward too, outside the profile
         run_dir = os.path.join(logdir, name)
         with profile(activities=activities, record_shapes=True,
                      schedule=schedule(wait=1, warmup=2, active=3),
-                     on_trace_ready=tensorboard_trace_handler(run_dir, worker_name=name)) as prof:
+                     on_trace_ready=tensorboard_trace_handler(run_dir, worker_name=worker)) as prof:
             for _ in range(6):
                 for p in (stock if name == "stock" else patched).parameters():
                     p.grad = None

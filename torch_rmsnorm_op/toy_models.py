@@ -81,6 +81,7 @@ class TinyLlama(nn.Module):
         self.norm = norm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=dim**-0.5)  # unit-scale logits at init, as GPTs do
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self.embed(tokens)
