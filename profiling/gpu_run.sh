@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
-# One device call: environment, the whole test suite on CUDA, the check campaign, the benchmark.
-# Usage (on a GPU machine, repo root): bash profiling/gpu_run.sh OUTDIR [--quick]
+# One device call on a GPU machine, from the repo root, writing into OUTDIR (at most 8 files):
+#   bash profiling/gpu_run.sh results OUTDIR   benchmark sweep, check, demo, training runs
+#   bash profiling/gpu_run.sh tests OUTDIR     the whole test suite on CUDA
 set -u -o pipefail
-out=${1:-profiling/results/gpu}; shift || true
+what=$1; out=$2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+log="$out/log.txt"
 {
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-} 2>&1 | tee "$out/env.txt"
-python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tee "$out/pytest.txt"; echo "pytest rc=$?" | tee -a "$out/pytest.txt"
-python3 -m torch_rmsnorm_op check 2>&1 | tee "$out/check.txt"; echo "check rc=$?" | tee -a "$out/check.txt"
-python3 profiling/bench.py --out "$out" "$@" 2>&1 | tee "$out/bench_log.txt"
+} 2>&1 | tee "$log"
+if [ "$what" = tests ]; then
+  python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tee -a "$log"; echo "pytest rc=$?" | tee -a "$log"
+  exit 0
+fi
+python3 -m torch_rmsnorm_op bench --out "$out" 2>&1 | tee -a "$log" | grep -v '^{'
+python3 -m torch_rmsnorm_op check 2>&1 | tee -a "$log"; echo "check rc=$?" | tee -a "$log"
+python3 -m torch_rmsnorm_op demo --logdir /tmp/runs 2>&1 | tee -a "$log"; echo "demo rc=$?" | tee -a "$log"
+cp /tmp/runs/summary.md /tmp/runs/summary.png "$out"/
+python3 -m torch_rmsnorm_op train-integration --out /tmp/integ 2>&1 | tee -a "$log"
+python3 examples/train_tiny_gpt.py --steps 300 --out /tmp/gpt --logdir /tmp/runs/tiny_gpt 2>&1 | tail -2 | tee -a "$log"
+cp /tmp/gpt/loss.png /tmp/gpt/loss.jsonl "$out"/
