@@ -39,8 +39,12 @@ BWD_LADDER = (
     (16384, 16384, 16, 1),  # 76.5% (split 2 x 8192: below 70%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# 56.4% at N=32768, 54.7% at 65536, 45.1% at 262144.
+# 56.4% at N=32768, 54.7% at 65536, 45.1% at 262144 (bf16).
 BWD_SPLIT = (16384, 8, 1)
+# fp32 keeps x and dy at 4 bytes in registers: 16384 columns on 8 warps spilled
+# (fwd+bwd 18% of copy at 1024x65536 fp32, vs 58-60% for bf16/fp16 at N=65536:
+# profiling/results/2026-11-29-h200-results), so half the columns per program.
+BWD_SPLIT_FP32 = (8192, 8, 1)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -91,7 +95,7 @@ def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
 @functools.cache
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
-    return _config(n, BWD_LADDER, *BWD_SPLIT)
+    return _config(n, BWD_LADDER, *(BWD_SPLIT_FP32 if dtype.itemsize == 4 else BWD_SPLIT))
 
 
 @functools.cache
