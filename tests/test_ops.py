@@ -136,3 +136,24 @@ def test_double_backward_on_the_kernel_path(device):
     gx2.sum().backward()
     torch.testing.assert_close(x.grad.double(), x2.grad, atol=1e-4, rtol=1e-3)
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_split_backward_with_a_ragged_last_group(device):
+    """Split mode with a last row group shorter than the others: it walks phantom rows."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig, backward_programs, sm_count
+
+    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=1)
+    target = max(1, sm_count(torch.device(device)) // cfg.split)
+    m, n = 2 * target + 1, 3000  # 3 rows per group, the last group has 1
+    groups, per_group = backward_programs(m, n, torch.device(device), cfg)
+    assert m % per_group != 0, (m, groups, per_group)
+    x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
+    w = torch.randn(n, device=device)
+    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    dx = torch.full_like(x, float("nan"))
+    dw = torch.full_like(w, float("nan"))
+    kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)

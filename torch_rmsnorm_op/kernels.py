@@ -139,15 +139,16 @@ def _rms_norm_bwd(
     group = pid // SPLIT
     chunk = pid % SPLIT
     row_start = group * rows_per_group
-    row_end = tl.minimum(row_start + rows_per_group, M)
+    row_end = tl.minimum(row_start + rows_per_group, M)  # single-pass mask; split mode masks by M
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if SPLIT == 1:
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        for first in range(row_start, row_end, ROWS):
-            rows = first + tl.arange(0, ROWS)
+        # Loop bounds are host integers (the interpreter cannot index with in-kernel values).
+        for first in range(0, rows_per_group, ROWS):
+            rows = row_start + first + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -163,9 +164,14 @@ def _rms_norm_bwd(
             tl.store(DW_PARTIAL + group * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for row in range(row_start, row_end):
-            x = tl.load(X + row * stride_x + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride_dy + cols, mask=col_mask, other=0.0).to(tl.float32)
+        # Every group walks rows_per_group rows; the last group's rows past M are phantoms
+        # (nothing loaded or stored) with barrier slots of their own (PARTIAL and COUNT have
+        # M + rows_per_group rows), so all SPLIT programs of a group still meet at each one.
+        for i in range(0, rows_per_group):
+            row = row_start + i
+            live = cols < tl.where(row < M, N, 0)
+            x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
             u = dy
             if HAS_WEIGHT:
                 u = dy * w
@@ -175,10 +181,10 @@ def _rms_norm_bwd(
             if PHASE == 0:
                 _arrive_and_wait(COUNT + row, SPLIT)
             if PHASE != 1:
-                rstd = tl.load(RSTD + row)
+                rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
                 c = tl.sum(tl.load(slots + tl.arange(0, SPLIT), volatile=True), axis=0) / N
                 dx = (u - x * (rstd * rstd * c)) * rstd
-                tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=col_mask)
+                tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
                 if HAS_WEIGHT:
                     dw_acc += dy * x * rstd
         if PHASE != 1 and HAS_WEIGHT:
@@ -211,19 +217,20 @@ def is_interpreted() -> bool:
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            meta: dict) -> None:
+            meta: dict, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
     barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
     meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps)
     if cfg.split == 1:
         kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
         return
-    partial = torch.empty((m, cfg.split), dtype=torch.float32, device=device)
+    rows = m + pad_rows  # the backward's phantom rows get barrier slots too
+    partial = torch.empty((rows, cfg.split), dtype=torch.float32, device=device)
     if is_interpreted():
         for phase in (1, 2):
             kernel[(grid,)](*before, partial, partial, *after, PHASE=phase, **meta)
     else:
-        count = torch.zeros((m,), dtype=torch.int32, device=device)
+        count = torch.zeros((rows,), dtype=torch.int32, device=device)
         kernel[(grid,)](*before, partial, count, *after, PHASE=0, **meta)
 
 
@@ -266,6 +273,7 @@ def launch_backward(
         _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
         [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
         [dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_group], dict(HAS_WEIGHT=has_weight),
+        pad_rows=rows_per_group,
     )
     if has_weight:
         _rms_norm_dw_reduce[(cdiv(n, REDUCE_BLOCK_N),)](
