@@ -143,9 +143,9 @@ def test_split_backward_with_a_ragged_last_group(device):
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, backward_programs, sm_count
 
-    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=1)
-    target = max(1, sm_count(torch.device(device)) // cfg.split)
-    m, n = 2 * target + 1, 3000  # 3 rows per group, the last group has 1
+    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2)
+    target = cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split  # >= 2 groups
+    m, n = 2 * target + 1, 3000  # 3 rows per group; the last group is shorter
     groups, per_group = backward_programs(m, n, torch.device(device), cfg)
     assert m % per_group != 0, (m, groups, per_group)
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
