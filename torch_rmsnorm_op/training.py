@@ -18,6 +18,7 @@ uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torch_rmsnorm_op as T
 
@@ -197,6 +199,9 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
                     "data_position": position, "rng": _rng_state(), "config": cfg.__dict__}, tmp)
         os.replace(tmp, ckpt_path)  # a crash mid-save never leaves a torn checkpoint
 
+    stack = contextlib.ExitStack()
+    # The memory-efficient and flash SDPA backwards are not deterministic on CUDA: use the math one.
+    stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
     requested: list[int] = []
     handlers = {sig: signal.signal(sig, lambda s, _f: requested.append(s)) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     losses = []
@@ -227,6 +232,7 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
                 requested.clear()
         save()
     finally:
+        stack.close()
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         if writer:
