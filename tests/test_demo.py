@@ -28,6 +28,7 @@ def test_demo_writes_runs_summary_and_says_how_to_view(demo_logdir):
         assert list((logdir / run).glob("events.out.tfevents.*")), run
     summary = (logdir / "summary.md").read_text()
     assert "`rmsnorm::fwd` | 3 |" in summary or "_rms_norm_fwd" in summary
+    assert "## Per-kernel diff (patched − stock" in summary and "| `rmsnorm::fwd` |" in summary
     assert (logdir / "summary.png").stat().st_size > 0
     if "CPU" in summary:
         assert "not GPU timings" in summary

@@ -29,6 +29,7 @@ class RunSummary:
     device_kernels: bool
     norm: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (calls/step, us/step)
     total_us: float = 0.0  # all device (or CPU op) time per step
+    per_kernel: dict[str, float] = field(default_factory=dict)  # every kernel (or op) -> us/step
 
     @property
     def norm_us(self) -> float:
@@ -57,16 +58,35 @@ def summarize_run(run_dir: str) -> RunSummary:
         norm_of = lambda name: name.startswith("rmsnorm::")  # noqa: E731
     calls: dict[str, int] = defaultdict(int)
     time: dict[str, float] = defaultdict(float)
+    every: dict[str, float] = defaultdict(float)
     for e in chosen:
+        every[e["name"]] += e["dur"] / steps
         if norm_of(e["name"]):
             calls[e["name"]] += 1
             time[e["name"]] += e["dur"]
     summary.norm = {n: (calls[n] // steps, time[n] / steps) for n in sorted(time, key=lambda n: -time[n])}
+    summary.per_kernel = dict(every)
     if kernels:
         summary.total_us = sum(e["dur"] for e in kernels) / steps
     else:
         summary.total_us = sum(e["dur"] for e in step_events if e.get("cat") == "user_annotation") / steps
     return summary
+
+
+def diff_table(a: RunSummary, b: RunSummary, rows: int = 12) -> list[str]:
+    """Per-kernel diff of two runs (what HTA's TraceDiff reports): the kernels whose time per
+    step changed most, with each run's time and the difference."""
+    unit = "device" if a.device_kernels and b.device_kernels else "CPU op"
+    names = set(a.per_kernel) | set(b.per_kernel)
+    delta = {n: b.per_kernel.get(n, 0.0) - a.per_kernel.get(n, 0.0) for n in names}
+    top = sorted(names, key=lambda n: -abs(delta[n]))[:rows]
+    nested = "" if unit == "device" else " CPU ops nest, so these are inclusive times."
+    lines = [f"## Per-kernel diff ({b.name} − {a.name}, {unit} µs/step, largest changes first)", "",
+             f"What HTA's TraceDiff reports, computed from the same trace files.{nested}", "",
+             f"| kernel | {a.name} | {b.name} | difference |", "|---|---|---|---|"]
+    lines += [f"| `{n[:90]}` | {a.per_kernel.get(n, 0.0):.1f} | {b.per_kernel.get(n, 0.0):.1f} | {delta[n]:+.1f} |"
+              for n in top]
+    return lines + [""]
 
 
 def write_summary(logdir: str, runs: list[str], norm_bytes_per_step: float, note: str = "") -> str:
@@ -88,6 +108,8 @@ def write_summary(logdir: str, runs: list[str], norm_bytes_per_step: float, note
         a, b = summaries
         lines += [f"**{a.name} / {b.name} RMSNorm time: {a.norm_us / b.norm_us:.2f}×**; "
                   f"whole step: {a.total_us / b.total_us:.2f}×.", ""]
+    if len(summaries) == 2:
+        lines += diff_table(*summaries)
     text = "\n".join(lines)
     with open(os.path.join(logdir, "summary.md"), "w") as f:
         f.write(text + "\n")
