@@ -73,6 +73,17 @@ def test_edge_shapes(device, shape):
     assert T.dispatch_stats()["fallback"] == {}
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_zero_width_rows_match_the_fake(device, dtype):
+    x = torch.randn(3, 0, device=device, dtype=dtype)
+    with T.fallback_policy("reference"):
+        # rstd is NaN here (the mean of an empty row, as in torch), which opcheck's value
+        # comparisons cannot equate; the fake-versus-real metadata check is what matters.
+        torch.library.opcheck(torch.ops.rmsnorm.fwd, (x, None, 1e-6), test_utils=("test_schema", "test_faketensor"))
+        y, rstd = torch.ops.rmsnorm.fwd(x, None, 1e-6)
+    assert y.shape == (3, 0) and rstd.dtype == reference.computation_dtype(dtype) and rstd.isnan().all()
+
+
 def test_expanded_and_strided_gradients(device):
     base = torch.randn(6, 48, device=device)
     x = base[::2, 8:40].detach().requires_grad_()  # row stride 96, offset 8

@@ -72,7 +72,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
         with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
             return reference.rms_norm_forward(x, weight, eps)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype), device=x.device)
     if rows is None:  # N == 0: nothing to normalize; mean of an empty row is NaN, as in torch
         return y, rstd.fill_(math.nan)
     n = x.shape[-1]
