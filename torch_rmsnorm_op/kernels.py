@@ -120,8 +120,8 @@ def _rms_norm_bwd(
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride stride_dx
     DW_PARTIAL,  # scratch [row groups, N] fp32: one dweight partial row per group
-    PARTIAL,  # split mode: [M, SPLIT] fp32 partial sums of dy * w * x
-    COUNT,  # split mode, PHASE 0: [M] int32 zeros, the row barriers
+    PARTIAL,  # split mode: [M + rows_per_group, SPLIT] fp32 partial sums of dy * w * x
+    COUNT,  # split mode, PHASE 0: [M + rows_per_group] int32 zeros, the row barriers
     stride_dy,
     stride_x,
     stride_dx,
