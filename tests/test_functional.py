@@ -104,6 +104,8 @@ def test_integer_input_raises_not_implemented(device):
         T.rms_norm(torch.ones(2, 3, dtype=torch.int32, device=device), (3,))
     with pytest.raises(TypeError, match="normalized_shape"):
         T.rms_norm(torch.ones(2, 3, device=device), 3)
+    with pytest.raises(TypeError, match="normalized_shape"):
+        T.rms_norm(torch.ones(2, 3, device=device), (3.0,))
 
 
 def test_op_contract_errors(device):

@@ -136,3 +136,21 @@ def test_meta_parameters_are_skipped():
         model = nn.Sequential(nn.RMSNorm(8))
     report = T.patch_rmsnorm(model)
     assert report.swapped == [] and "meta" in report.skipped[0][2]
+
+
+def test_root_module_is_reported_not_swapped():
+    norm = nn.RMSNorm(8)
+    report = T.patch_rmsnorm(norm)
+    assert report.swapped == [] and "root module" in report.skipped[0][2]
+
+
+def test_dynamic_hidden_size_compiles_once(device):
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda x: T.rms_norm(x, (x.shape[-1],)), backend=counter, fullgraph=True, dynamic=True)
+    for n in (8, 16, 24):
+        x = torch.randn(3, n, device=device)
+        torch.testing.assert_close(f(x), nn.functional.rms_norm(x, (n,)), atol=1e-5, rtol=1e-4)
+    assert counter.frame_count == 1

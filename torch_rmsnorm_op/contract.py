@@ -49,7 +49,10 @@ def check_functional_args(
             f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, not "
             f"{type(normalized_shape).__name__}"
         )
-    shape = tuple(int(s) for s in normalized_shape)
+    # No int() on the elements: it would specialize a dynamic dim under torch.compile.
+    shape = tuple(normalized_shape)
+    if any(isinstance(s, (bool, float, complex, str)) for s in shape):
+        raise TypeError(f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, got {shape}")
     if len(shape) == 0:
         raise RMSNormInputError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "

@@ -144,6 +144,9 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
     """Swap, in place, every ``nn.RMSNorm`` and every Llama-style HF RMSNorm inside ``model``
     (not ``model`` itself) for a ``PatchedRMSNorm``. Patching twice changes nothing more."""
     report = PatchReport()
+    if _candidate(model)[0] is not None:
+        report.skipped.append(("", type(model).__name__, "the root module cannot be swapped in place: patch its "
+                                                         "parent, or use torch_rmsnorm_op.RMSNorm"))
     replaced: dict[int, PatchedRMSNorm] = {}  # a module shared by two parents is swapped once
     for name, parent, attr, child in list(_named_children_recursive(model)):
         if isinstance(child, PatchedRMSNorm):
