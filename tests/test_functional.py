@@ -151,3 +151,37 @@ def test_module_is_a_drop_in(device):
     x = torch.randn(4, 8)
     with T.fallback_policy("reference"):
         torch.testing.assert_close(bare.to(device)(x.to(device)).cpu(), bare_ref(x), atol=1e-5, rtol=1e-4)
+
+
+def test_forward_mode_ad_is_served_not_dropped(device):
+    import torch.autograd.forward_ad as fwAD
+
+    x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    tx, tw = torch.randn_like(x), torch.randn_like(w)
+    with fwAD.dual_level(), T.fallback_policy("reference"):
+        y = T.rms_norm(fwAD.make_dual(x, tx), (8,), fwAD.make_dual(w, tw))
+        y_ref = F.rms_norm(fwAD.make_dual(x, tx), (8,), fwAD.make_dual(w, tw))
+        tangent, tangent_ref = fwAD.unpack_dual(y).tangent, fwAD.unpack_dual(y_ref).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, tangent_ref, atol=1e-5, rtol=1e-4)
+    assert "rms_norm: forward-mode AD" in T.dispatch_stats()["fallback"]
+
+
+def test_torch_func_transforms(device):
+    x, w = torch.randn(4, 3, 8, device=device), torch.randn(8, device=device)
+    with T.fallback_policy("reference"):
+        g = torch.func.grad(lambda a: T.rms_norm(a, (8,), w).pow(2).sum())(x)
+        jac = torch.func.jacrev(lambda a: T.rms_norm(a, (8,), w))(x[0, 0])
+    g_ref = torch.func.grad(lambda a: F.rms_norm(a, (8,), w).pow(2).sum())(x)
+    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda a: F.rms_norm(a, (8,), w))(x[0, 0]), atol=1e-5, rtol=1e-4)
+    T.reset_dispatch_stats()
+    with T.fallback_policy("error"):  # vmap stays on the kernels
+        out = torch.func.vmap(lambda a: T.rms_norm(a, (8,), w))(x)
+    torch.testing.assert_close(out, F.rms_norm(x, (8,), w), atol=1e-5, rtol=1e-4)
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 1}  # one call for the whole batch
+    ws = torch.randn(4, 8, device=device)  # per-sample weights
+    out = torch.func.vmap(lambda a, b: T.rms_norm(a, (8,), b))(x, ws)
+    torch.testing.assert_close(out, F.rms_norm(x, (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
+    out = torch.func.vmap(lambda a: T.rms_norm(x[0], (8,), a))(ws)  # only the weight batched
+    torch.testing.assert_close(out, F.rms_norm(x[0], (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)

@@ -121,6 +121,18 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tenso
     return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
+@rms_norm_fwd.register_vmap
+def _(info, in_dims, x: Tensor, weight: Tensor | None, eps: float):
+    # The op normalizes the last dim; any other dim is just more rows: one call for the batch.
+    x_dim, w_dim, _ = in_dims
+    x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
+    if w_dim is None:
+        return torch.ops.rmsnorm.fwd(x, weight, eps), (0, 0)
+    # Per-sample weights: the reference formula broadcasts them.
+    w = weight.movedim(w_dim, 0).reshape(info.batch_size, *[1] * (x.dim() - 2), x.shape[-1])
+    return reference.rms_norm_forward(x, w, eps), (0, 0)
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, eps = inputs
     _, rstd = output
@@ -145,6 +157,20 @@ def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
 torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context)
 
 
+def _transform_reason() -> str | None:
+    """Autodiff the op's registered formula does not serve: forward-mode AD (a custom op has
+    no forward-mode formula: the tangent would be dropped) and torch.func's grad/jvp-style
+    transforms. vmap is served by the op."""
+    from torch._C._functorch import TransformType, peek_interpreter_stack
+
+    interpreter = peek_interpreter_stack()
+    if interpreter is not None and interpreter.key() != TransformType.Vmap:
+        return f"torch.func transform {interpreter.key().name}"
+    if torch.autograd.forward_ad._current_level >= 0:
+        return "forward-mode AD"
+    return None
+
+
 def rms_norm(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
 ) -> Tensor:
@@ -156,6 +182,10 @@ def rms_norm(
         eps = reference.default_eps(input.dtype)
     if input.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("rms_norm", f"complex dtype {input.dtype}")
+        return reference.rms_norm_reference(input, shape, weight, eps)
+    transform = None if torch.compiler.is_compiling() else _transform_reason()
+    if transform is not None:
+        record_fallback("rms_norm", transform)
         return reference.rms_norm_reference(input, shape, weight, eps)
     if len(shape) == 1:
         return torch.ops.rmsnorm.fwd(input, weight, float(eps))[0]
