@@ -185,3 +185,27 @@ def test_torch_func_transforms(device):
     torch.testing.assert_close(out, F.rms_norm(x, (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
     out = torch.func.vmap(lambda a: T.rms_norm(x[0], (8,), a))(ws)  # only the weight batched
     torch.testing.assert_close(out, F.rms_norm(x[0], (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
+
+
+def test_module_info_inputs_of_nn_rmsnorm(device):
+    """PyTorch's own ModuleInfo inputs for nn.RMSNorm (no public API holds them), through ours."""
+    from torch.testing._internal.common_modules import module_db
+
+    info = next(m for m in module_db if m.module_cls is nn.RMSNorm)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for sample in info.module_inputs_func(info, device=device, dtype=dtype, requires_grad=True, training=True):
+            ref = nn.RMSNorm(*sample.constructor_input.args, **sample.constructor_input.kwargs).to(device, dtype)
+            ours = T.RMSNorm(*sample.constructor_input.args, **sample.constructor_input.kwargs).to(device, dtype)
+            ours.load_state_dict(ref.state_dict())
+            x = sample.forward_input.args[0]
+            x2 = x.detach().clone().requires_grad_()
+            with T.fallback_policy("reference"):
+                y = ours(x2)
+            y_ref = ref(x)
+            tol = TOL[dtype]
+            torch.testing.assert_close(y, y_ref, **tol, msg=sample.desc)
+            if y.numel():
+                dy = torch.randn_like(y)
+                for a, b in zip(torch.autograd.grad(y, [x2, *ours.parameters()], dy),
+                                torch.autograd.grad(y_ref, [x, *ref.parameters()], dy)):
+                    torch.testing.assert_close(a, b, **{k: 4 * v for k, v in tol.items()}, msg=sample.desc)

@@ -154,3 +154,29 @@ def test_dynamic_hidden_size_compiles_once(device):
         x = torch.randn(3, n, device=device)
         torch.testing.assert_close(f(x), nn.functional.rms_norm(x, (n,)), atol=1e-5, rtol=1e-4)
     assert counter.frame_count == 1
+
+
+def test_real_transformers_models(device):
+    """Real Hugging Face classes built from tiny configs (nothing downloaded): Llama and Qwen2
+    norms are swapped and the logits match; Gemma's (1 + weight) norms are reported, untouched."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
+    small = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
+    tokens = torch.randint(0, 128, (2, 10), device=device)
+    for name, swapped in (("Llama", 5), ("Qwen2", 5), ("Gemma", 0)):
+        torch.manual_seed(0)
+        config = getattr(transformers, f"{name}Config")(**small)
+        model = getattr(transformers, f"{name}ForCausalLM")(config).to(device).eval()
+        with torch.no_grad():
+            for m in model.modules():
+                if type(m).__name__.endswith("RMSNorm"):
+                    m.weight.uniform_(0.5, 1.5)
+            want = model(tokens).logits
+        report = T.patch_rmsnorm(model)
+        assert len(report.swapped) == swapped, report
+        if swapped:
+            with torch.no_grad():
+                got = model(tokens).logits
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        else:
+            assert len(report.skipped) == 5 and all("not recognized" in why for *_, why in report.skipped), report

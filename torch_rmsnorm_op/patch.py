@@ -32,11 +32,15 @@ from torch_rmsnorm_op.fallback import fallback_policy
 from torch_rmsnorm_op.module import RMSNorm
 from torch_rmsnorm_op.ops import rms_norm
 
-# transformers releases before 4.52 do not mark their RMSNorms; these classes have
-# Llama semantics there (each one is still proven on a probe before the swap).
+# transformers marks its RMSNorms (kernel_layer_name) only where the optional `kernels`
+# package is installed, and not at all before 4.52. These classes have Llama's forward,
+# verified on transformers 5.24 (forward source identical to LlamaRMSNorm's); each one is
+# still proven on a probe before the swap.
 KNOWN_LLAMA_STYLE = frozenset({
-    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen3RMSNorm",
-    "Qwen3MoeRMSNorm", "Phi3RMSNorm", "GraniteRMSNorm", "OlmoRMSNorm", "CohereRMSNorm", "InternLM2RMSNorm",
+    "LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "MinistralRMSNorm", "Mistral3RMSNorm",
+    "Qwen2RMSNorm", "Qwen2MoeRMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm",
+    "Phi3RMSNorm", "GraniteRMSNorm", "GraniteMoeRMSNorm", "OlmoeRMSNorm", "DeepseekV2RMSNorm", "DeepseekV3RMSNorm",
+    "GlmRMSNorm", "Glm4RMSNorm", "SmolLM3RMSNorm", "MllamaTextRMSNorm", "JambaRMSNorm", "ZambaRMSNorm",
 })
 
 # Probe tolerances: ours rounds once, Llama's forward rounds twice (cast, then * weight).
@@ -105,6 +109,9 @@ def _candidate(module: nn.Module) -> tuple[PatchedRMSNorm | None, str | None]:
             return None, "Llama-style RMSNorm without a 1-D weight Parameter"
         eps = float(module.variance_epsilon)
         return PatchedRMSNorm(module, (weight.shape[0],), eps, weight, True), None
+    if type(module).__name__.endswith("RMSNorm"):
+        return None, ("not recognized: neither marked kernel_layer_name='RMSNorm' by transformers nor a known "
+                      "Llama-style class (with weight and variance_epsilon); semantics unverified, left alone")
     return None, None  # not an RMSNorm at all: not reported
 
 
