@@ -168,3 +168,43 @@ def test_split_backward_with_a_ragged_last_group(device):
     dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
     torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_row_stride_past_2_to_the_31(device):
+    """Rows 2**31 elements apart (a strided view into a lazily allocated 4 GiB buffer): a row
+    offset truncated to 32 bits would wrap onto other memory."""
+    n, stride = 64, 2**31
+    try:
+        buffer = torch.empty(stride + n, dtype=torch.bfloat16, device=device)
+    except (RuntimeError, MemoryError):
+        pytest.skip("cannot reserve a 4 GiB buffer here")
+    x = buffer.as_strided((2, n), (stride, 1))
+    x.copy_(torch.randn(2, n, device=device).to(torch.bfloat16))
+    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    with T.fallback_policy("error"):
+        y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+        dy = torch.randn_like(y)
+        dx, dw = torch.ops.rmsnorm.bwd(dy, x, w, rstd)
+    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd_ref)
+    tol = dict(atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(y.double(), y_ref, **tol)
+    torch.testing.assert_close(dx.double(), dx_ref, **tol)
+    torch.testing.assert_close(dw.double(), dw_ref, **tol)
+
+
+@pytest.mark.cuda
+def test_contiguous_tensor_past_2_to_the_31_elements():
+    """M * N > 2**31 with contiguous rows: row index times N overflows 32 bits in the last rows."""
+    m, n = 2**19 + 8, 4096
+    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    with T.fallback_policy("error"):
+        y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+        dy = torch.randn_like(y)
+        dx, _ = torch.ops.rmsnorm.bwd(dy, x, w, rstd)
+    tail = slice(m - 16, m)  # the rows past 2**31 elements
+    y_ref, rstd_ref = reference.rms_norm_forward(x[tail].double(), w.double(), 1e-6)
+    dx_ref, _ = reference.rms_norm_backward(dy[tail].double(), x[tail].double(), w.double(), rstd_ref)
+    torch.testing.assert_close(y[tail].double(), y_ref, atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(dx[tail].double(), dx_ref, atol=2**-6, rtol=2**-6)
