@@ -160,7 +160,11 @@ def _set_rng_state(state: dict) -> None:
 
 def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str = "inductor",
                    logdir: str | None = "runs/tiny_gpt", cfg: GPTConfig = GPTConfig()) -> list[float]:
-    """Train (or resume) for ``steps`` optimizer steps in total; returns this process's losses."""
+    """Train (or resume) for ``steps`` optimizer steps in total; returns this process's losses.
+
+    For bit-exact resume it switches the process to deterministic algorithms
+    (``torch.use_deterministic_algorithms(True, warn_only=True)``) and keeps that setting.
+    """
     from torch_rmsnorm_op.toy_models import TinyLlama
 
     device = _device()
