@@ -124,3 +124,15 @@ def test_cpu_without_interpreter_falls_back():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "cpu tensor without the Triton interpreter" in out and out.strip().endswith("1")
+
+
+def test_torch_logs_shows_fallbacks():
+    code = (
+        "import torch, torch_rmsnorm_op as T\n"
+        "T.set_fallback_policy('reference')\n"
+        "T.rms_norm(torch.randn(2, 8, dtype=torch.float64), (8,))\n"
+    )
+    env = dict(__import__("os").environ, TORCH_LOGS="+torch_rmsnorm_op")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    assert "rmsnorm.fwd: PyTorch reference fallback (x dtype torch.float64" in out.stderr or \
+        "rmsnorm.fwd: PyTorch reference fallback (cpu tensor" in out.stderr, out.stderr

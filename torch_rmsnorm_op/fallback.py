@@ -95,7 +95,7 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
         from torch_rmsnorm_op.kernels import is_interpreted  # defines the kernels on first use
 
         if not is_interpreted():
-            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before import)"
+            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
     elif x.device.type != "cuda":
         return f"no Triton kernel for device type {x.device.type!r}"
     if x.dtype not in KERNEL_DTYPES:
