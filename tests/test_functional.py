@@ -209,3 +209,25 @@ def test_module_info_inputs_of_nn_rmsnorm(device):
                 for a, b in zip(torch.autograd.grad(y, [x2, *ours.parameters()], dy),
                                 torch.autograd.grad(y_ref, [x, *ref.parameters()], dy)):
                     torch.testing.assert_close(a, b, **{k: 4 * v for k, v in tol.items()}, msg=sample.desc)
+
+
+@pytest.mark.cuda
+def test_cuda_autocast_matches_torch():
+    x = torch.randn(4, 64, device="cuda", requires_grad=True)
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        h = x @ torch.eye(64, device="cuda")  # bf16 under autocast
+        y, y_ref = T.rms_norm(h, (64,), w), F.rms_norm(h, (64,), w)
+    assert h.dtype == torch.bfloat16 and y.dtype == y_ref.dtype == torch.float32
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    y.sum().backward()
+
+
+def test_cpu_autocast_matches_torch():
+    x = torch.randn(4, 64)
+    w = torch.randn(64)
+    with torch.autocast("cpu", dtype=torch.bfloat16), T.fallback_policy("reference"):
+        h = x @ torch.eye(64)
+        y, y_ref = T.rms_norm(h, (64,), w), F.rms_norm(h, (64,), w)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y, y_ref, atol=2**-6, rtol=2**-6)

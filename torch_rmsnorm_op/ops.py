@@ -155,6 +155,9 @@ def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
 
 
 torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context)
+# aten's rms_norm is on CUDA autocast's fp32 list (not CPU's): inside a CUDA autocast region
+# F.rms_norm computes from fp32 inputs and returns fp32, so the op does the same.
+torch.library.register_autocast("rmsnorm::fwd", "cuda", torch.float32)
 
 
 def _transform_reason() -> str | None:
