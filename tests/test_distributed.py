@@ -65,6 +65,9 @@ def _worker(rank, port, mode, out_dir):
         assert stats.get("rmsnorm.fwd", 0) == 3 and stats.get("rmsnorm.bwd", 0) == 3, stats
         if rank == 0:
             torch.save(grads, os.path.join(out_dir, f"{mode}.pt"))
+        # Neither rank tears gloo down while the other is still in a collective (a worker
+        # once died with "terminate called without an active exception" at exit under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
