@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch._C._functorch import TransformType, peek_interpreter_stack
 
 from torch_rmsnorm_op import reference
 from torch_rmsnorm_op.contract import check_backward_args, check_forward_args, check_functional_args
@@ -164,8 +165,6 @@ def _transform_reason() -> str | None:
     """Autodiff the op's registered formula does not serve: forward-mode AD (a custom op has
     no forward-mode formula: the tangent would be dropped) and torch.func's grad/jvp-style
     transforms. vmap is served by the op."""
-    from torch._C._functorch import TransformType, peek_interpreter_stack
-
     interpreter = peek_interpreter_stack()
     if interpreter is not None and interpreter.key() != TransformType.Vmap:
         return f"torch.func transform {interpreter.key().name}"
