@@ -180,7 +180,10 @@ def test_torch_func_transforms(device):
         out = torch.func.vmap(lambda a: T.rms_norm(a, (8,), w))(x)
     torch.testing.assert_close(out, F.rms_norm(x, (8,), w), atol=1e-5, rtol=1e-4)
     assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 1}  # one call for the whole batch
-    ws = torch.randn(4, 8, device=device)  # per-sample weights
+    ws = torch.randn(4, 8, device=device)  # per-sample weights: a counted fallback, never silent
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="per-sample weights under vmap"):
+        torch.func.vmap(lambda a, b: T.rms_norm(a, (8,), b))(x, ws)
+    T.set_fallback_policy("reference")
     out = torch.func.vmap(lambda a, b: T.rms_norm(a, (8,), b))(x, ws)
     torch.testing.assert_close(out, F.rms_norm(x, (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
     out = torch.func.vmap(lambda a: T.rms_norm(x[0], (8,), a))(ws)  # only the weight batched

@@ -129,7 +129,9 @@ def _(info, in_dims, x: Tensor, weight: Tensor | None, eps: float):
     x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
     if w_dim is None:
         return torch.ops.rmsnorm.fwd(x, weight, eps), (0, 0)
-    # Per-sample weights: the reference formula broadcasts them.
+    # Per-sample weights: the kernels take one weight row, so the reference formula (which
+    # broadcasts them) serves it, under the fallback policy like any other fallback.
+    record_fallback("rmsnorm.fwd", "per-sample weights under vmap")
     w = weight.movedim(w_dim, 0).reshape(info.batch_size, *[1] * (x.dim() - 2), x.shape[-1])
     return reference.rms_norm_forward(x, w, eps), (0, 0)
 
