@@ -1,14 +1,17 @@
 """Sweep launch configurations on a GPU and print the best per N: the input to ``config.py``.
 
 Times the launchers directly (GPU time, ``triton.testing.do_bench`` median, after
-a correctness check against the float64 reference), bf16, M·N ≈ 128 Mi
-elements. Also breaks down the host-side cost of one eager call.
-Run: ``python profiling/tune.py --out DIR``; writes ``tune.json``.
+a correctness check against the float64 reference), x of 256 MiB as in the
+benchmark. ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
+table's neighbours. Also breaks down the host-side cost of one eager call.
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near]``;
+writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -23,7 +26,8 @@ import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import kernels, reference  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
 
-ELEMS = 128 * 2**20
+BYTES = 256 * 2**20  # x alone, as in the benchmark
+DEVICE = "cuda"
 
 
 def fwd_candidates(n):
@@ -53,77 +57,125 @@ def bwd_candidates(n):
     return out
 
 
+def neighbours(cfg: KernelConfig, backward: bool) -> list[KernelConfig]:
+    """The table's config with one parameter halved or doubled at a time (``--near``)."""
+    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else []) + (["programs_per_sm"] if backward else [])
+    out = [
+        dataclasses.replace(cfg, **{f: v})
+        for f in fields
+        for v in (getattr(cfg, f) // 2, getattr(cfg, f) * 2)
+        if 1 <= v <= 32
+    ]
+    if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
+        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2))
+        if cfg.split > 1:
+            out.append(dataclasses.replace(cfg, block_n=cfg.block_n * 2, split=cfg.split // 2))
+    return out
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
+
+
+def tune(pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float) -> list[dict]:
+    """Time the table's config and the candidates for one (pass, N, dtype); best first."""
+    elem = dtype.itemsize
+    m = BYTES // (n * elem)
+    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
+    w = torch.rand(n, device=DEVICE, dtype=dtype) + 0.5
+    dy = torch.randn_like(x)
+    y, rstd = torch.empty_like(x), torch.empty(m, device=DEVICE)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    y_ref, rstd_ref = reference.rms_norm_forward(x[:64].double(), w.double(), 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy[:64].double(), x[:64].double(), w.double(), rstd_ref)
+    backward = pass_name == "bwd"
+    table = (backward_config if backward else forward_config)(n, dtype)
+    cands = neighbours(table, backward) if near else (bwd_candidates(n) if backward else fwd_candidates(n))
+    kernels.launch_forward(x, w, 1e-6, y, rstd)
+    rows = []
+    for cfg in [table] + [c for c in cands if c != table]:
+        try:
+            if backward:
+                ws = kernels.backward_workspace(m, n, x.device, dtype, cfg)
+                kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
+                err = (dx[:64].double() - dx_ref).abs().max().item()
+                if m <= 64:  # dweight checkable against the same rows
+                    err = max(err, (dw.double() - dw_ref).abs().max().item())
+                us = bench(lambda cfg=cfg, ws=ws: kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg))
+                extra = dict(scratch_MiB=ws.numel() * 4 / 2**20)
+            else:
+                kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+                err = (y[:64].double() - y_ref).abs().max().item()
+                us = bench(lambda cfg=cfg: kernels.launch_forward(x, w, 1e-6, y, rstd, cfg))
+                extra = {}
+        except Exception as e:  # noqa: BLE001 - an unbuildable config is a data point
+            print(pass_name, n, cfg, "failed:", repr(e)[:120], flush=True)
+            continue
+        floor = (3 if backward else 2) * m * n * elem
+        rows.append(
+            dict(
+                us=us,
+                pct=floor / (us * 1e-6) / 1e9 / copy_gbs * 100,
+                cfg=cfg.__dict__,
+                max_err=err,
+                table=cfg == table,
+                **extra,
+            )
+        )
+    rows.sort(key=lambda r: r["us"])
+    cur = next(r for r in rows if r["table"])
+    print(
+        f"{pass_name} {str(dtype).removeprefix('torch.')} N={n}: best {rows[0]['pct']:.1f}% {rows[0]['cfg']} "
+        f"err {rows[0]['max_err']:.2e}; table {cur['pct']:.1f}% {cur['cfg']}",
+        flush=True,
+    )
+    return rows
+
+
+def save(results: dict, args: argparse.Namespace) -> None:
+    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--ns", default="1024,4096,8192,16384,32768,65536,262144")
+    p.add_argument(
+        "--jobs",
+        default=",".join(
+            f"{k}:bfloat16:{n}" for n in (1024, 4096, 8192, 16384, 32768, 65536, 262144) for k in ("fwd", "bwd")
+        ),
+        help="comma-separated pass:dtype:N (pass fwd or bwd)",
+    )
+    p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
+    p.add_argument("--tag", default="tune", help="output file stem")
     args = p.parse_args()
-    copy_a = torch.randn(1 << 30, device="cuda", dtype=torch.bfloat16)
-    copy_b = torch.empty_like(copy_a)
-    copy_gbs = 4 * (1 << 30) / (bench(lambda: copy_b.copy_(copy_a)) * 1e-6) / 1e9
+    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_gbs = 4 * (1 << 30) / (bench(lambda: dst.copy_(src)) * 1e-6) / 1e9
     print(f"copy ceiling (do_bench): {copy_gbs:.0f} GB/s", flush=True)
-    results = {"copy_GBs": copy_gbs, "fwd": {}, "bwd": {}, "gpu": torch.cuda.get_device_name(),
-               "torch": torch.__version__, "triton": triton.__version__}
-    dtype = torch.bfloat16
-    for n in map(int, args.ns.split(",")):
-        m = ELEMS // n
-        x = torch.randn(m, n, device="cuda", dtype=dtype)
-        w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
-        dy = torch.randn_like(x)
-        y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
-        dx, dw = torch.empty_like(x), torch.empty_like(w)
-        y_ref, rstd_ref = reference.rms_norm_forward(x[:64].double(), w.double(), 1e-6)
-        dx_ref, _ = reference.rms_norm_backward(dy[:64].double(), x[:64].double(), w.double(), rstd_ref)
-        rows = []
-        for cfg in [forward_config(n, dtype)] + fwd_candidates(n):
-            try:
-                kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-                err = (y[:64].double() - y_ref).abs().max().item()
-                us = bench(lambda cfg=cfg: kernels.launch_forward(x, w, 1e-6, y, rstd, cfg))  # noqa: B023
-                rows.append((us, cfg, err))
-            except Exception as e:  # noqa: BLE001 - an unbuildable config is a data point
-                print("fwd", n, cfg, "failed:", repr(e)[:120], flush=True)
-        rows.sort(key=lambda r: r[0])
-        results["fwd"][n] = [dict(us=r[0], pct=2 * m * n * 2 / (r[0] * 1e-6) / 1e9 / copy_gbs * 100,
-                                  cfg=r[1].__dict__, max_err=r[2], table=r[1] == forward_config(n, dtype))
-                             for r in rows]
-        best = results["fwd"][n][0]
-        cur = next(r for r in results["fwd"][n] if r["table"])
-        print(f"fwd N={n}: best {best['pct']:.1f}% {best['cfg']} err {best['max_err']:.2e}; "
-              f"table {cur['pct']:.1f}%", flush=True)
-        kernels.launch_forward(x, w, 1e-6, y, rstd)
-        ws_rows = []
-        for cfg in [backward_config(n, dtype)] + bwd_candidates(n):
-            try:
-                ws = kernels.backward_workspace(m, n, x.device, dtype, cfg)
-                kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
-                err = (dx[:64].double() - dx_ref).abs().max().item()
-                us = bench(lambda cfg=cfg, ws=ws: kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg))  # noqa: B023
-                ws_rows.append((us, cfg, err, ws.numel() * 4 / 2**20))
-            except Exception as e:  # noqa: BLE001
-                print("bwd", n, cfg, "failed:", repr(e)[:120], flush=True)
-        ws_rows.sort(key=lambda r: r[0])
-        results["bwd"][n] = [dict(us=r[0], pct=3 * m * n * 2 / (r[0] * 1e-6) / 1e9 / copy_gbs * 100,
-                                  cfg=r[1].__dict__, max_err=r[2], scratch_MiB=r[3],
-                                  table=r[1] == backward_config(n, dtype)) for r in ws_rows]
-        best = results["bwd"][n][0]
-        cur = next(r for r in results["bwd"][n] if r["table"])
-        print(f"bwd N={n}: best {best['pct']:.1f}% {best['cfg']} err {best['max_err']:.2e} "
-              f"scratch {best['scratch_MiB']:.1f} MiB; table {cur['pct']:.1f}%", flush=True)
+    results = {
+        "copy_GBs": copy_gbs,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "jobs": {},
+    }
+    for job in args.jobs.split(","):
+        pass_name, dtype, n = job.split(":")
+        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs)
+        torch.cuda.empty_cache()
+        save(results, args)  # after every job: a run cut short keeps what it measured
     # Host-side cost of one eager call at the tutorial's shape.
-    x = torch.randn(128, 257, device="cuda")
-    w = torch.randn(257, device="cuda")
-    y, rstd = torch.empty_like(x), torch.empty(128, device="cuda")
+    x = torch.randn(128, 257, device=DEVICE)
+    w = torch.randn(257, device=DEVICE)
+    y, rstd = torch.empty_like(x), torch.empty(128, device=DEVICE)
     calls = {
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (257,), w, 1e-6),
         "T.rms_norm": lambda: T.rms_norm(x, (257,), w, 1e-6),
         "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, 1e-6),
         "launch_forward": lambda: kernels.launch_forward(x, w, 1e-6, y, rstd),
-        "empty x2": lambda: (torch.empty_like(x), torch.empty(128, device="cuda")),
+        "empty x2": lambda: (torch.empty_like(x), torch.empty(128, device=DEVICE)),
     }
     results["call_us"] = {}
     with torch.no_grad():
@@ -137,8 +189,7 @@ def main():
             results["call_us"][name] = (time.perf_counter() - t0) / 500 * 1e6
             torch.cuda.synchronize()
             print(f"call {name}: {results['call_us'][name]:.1f} us", flush=True)
-    with open(os.path.join(args.out, "tune.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    save(results, args)
 
 
 if __name__ == "__main__":

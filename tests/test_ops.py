@@ -170,6 +170,35 @@ def test_split_backward_with_a_ragged_last_group(device):
     torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_dweight_reduction_stages(device, splits):
+    """The dweight reduction, one stage or two (a ragged last split, columns past a tile):
+    every partial row counted once, and the same bits on a second run."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import REDUCE_BLOCK_N, REDUCE_BLOCK_P
+
+    p, n = 2 * REDUCE_BLOCK_P + 5, REDUCE_BLOCK_N + 3
+    partial = torch.randn(p, n, device=device)
+    outs = []
+    for _ in range(2):
+        mid = torch.full((splits, n), float("nan"), device=device)
+        dw = torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16)
+        kernels.reduce_dweight(partial, dw, mid)
+        outs.append(dw)
+    torch.testing.assert_close(outs[0].double(), partial.double().sum(0), atol=2**-6, rtol=2**-7)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_reduce_splits_cover_every_partial_row():
+    from torch_rmsnorm_op.config import cdiv, reduce_splits
+
+    for p in (1, 2, 31, 33, 100, 528, 4096):
+        for n in (1, 256, 1024, 16384, 262144):
+            s = reduce_splits(p, n, torch.device("cpu"))
+            rows = cdiv(p, s)
+            assert 1 <= s <= p and (s - 1) * rows < p <= s * rows, (p, n, s)
+
+
 def test_row_stride_past_2_to_the_31(device):
     """Rows 2**31 elements apart (a strided view into a lazily allocated 4 GiB buffer): a row
     offset truncated to 32 bits would wrap onto other memory."""

@@ -51,6 +51,10 @@ INTERPRETER_SM_COUNT = 4
 # dweight reduction tile: partial rows x columns per step.
 REDUCE_BLOCK_P = 32
 REDUCE_BLOCK_N = 128
+# The reduction runs one program per column tile: N / 128 programs, 8 at N = 1024, each
+# summing hundreds of partial rows. When that is fewer than this many per SM, a first stage
+# splits the partial rows too (fixed splits, so still one fixed order).
+REDUCE_PROGRAMS_PER_SM = 2
 
 
 def next_power_of_2(n: int) -> int:
@@ -104,6 +108,14 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
+    """Row splits of the dweight reduction's first stage (1: a single stage). Every split
+    gets at least one partial row."""
+    want = cdiv(REDUCE_PROGRAMS_PER_SM * sm_count(device), cdiv(n, REDUCE_BLOCK_N))
+    splits = max(1, min(want, cdiv(partial_rows, REDUCE_BLOCK_P)))
+    return cdiv(partial_rows, cdiv(partial_rows, splits))
 
 
 def backward_programs(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:

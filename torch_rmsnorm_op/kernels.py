@@ -40,6 +40,7 @@ from torch_rmsnorm_op.config import (
     backward_programs,
     cdiv,
     forward_config,
+    reduce_splits,
 )
 
 
@@ -54,9 +55,23 @@ def _arrive_and_wait(COUNTER, expected):
     consecutively and blocks start in id order, so all of them get to run."""
     tl.debug_barrier()  # every thread's partial store precedes the release below
     count = tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1
+    # Poll with plain volatile loads: a scalar atomic runs on one thread and is broadcast
+    # through shared memory with a block barrier each time; a load is read by every thread.
     while count < expected:
-        count = tl.atomic_add(COUNTER, 0, sem="acquire")
+        count = tl.load(COUNTER, volatile=True)
+    tl.atomic_add(COUNTER, 0, sem="acquire")  # the siblings' partial stores are visible after this
     tl.debug_barrier()
+
+
+@triton.jit
+def _row_total(value, SLOTS, chunk, COUNTER, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode: the sum of ``value`` over the SPLIT programs of one row, added in chunk order
+    (publish in slot ``chunk``, meet at the row barrier, read all slots)."""
+    if PHASE != 2:
+        tl.store(SLOTS + chunk, value)
+    if PHASE == 0:
+        _arrive_and_wait(COUNTER, SPLIT)
+    return tl.sum(tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True), axis=0)
 
 
 @triton.jit
@@ -98,13 +113,9 @@ def _rms_norm_fwd(
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = cols < N
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        slots = PARTIAL + row * SPLIT
-        if PHASE != 2:
-            tl.store(slots + chunk, tl.sum(x * x, axis=0))
-        if PHASE == 0:
-            _arrive_and_wait(COUNT + row, SPLIT)
+        sum_sq = _row_total(tl.sum(x * x, axis=0), PARTIAL + row * SPLIT, chunk, COUNT + row, SPLIT, PHASE)
         if PHASE != 1:
-            rstd = _rstd(tl.sum(tl.load(slots + tl.arange(0, SPLIT), volatile=True), axis=0), N, eps)
+            rstd = _rstd(sum_sq, N, eps)
             y = x * rstd
             if HAS_WEIGHT:
                 y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
@@ -175,14 +186,10 @@ def _rms_norm_bwd(
             u = dy
             if HAS_WEIGHT:
                 u = dy * w
-            slots = PARTIAL + row * SPLIT
-            if PHASE != 2:
-                tl.store(slots + chunk, tl.sum(u * x, axis=0))
-            if PHASE == 0:
-                _arrive_and_wait(COUNT + row, SPLIT)
+            dot = _row_total(tl.sum(u * x, axis=0), PARTIAL + row * SPLIT, chunk, COUNT + row, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-                c = tl.sum(tl.load(slots + tl.arange(0, SPLIT), volatile=True), axis=0) / N
+                c = dot / N
                 dx = (u - x * (rstd * rstd * c)) * rstd
                 tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
                 if HAS_WEIGHT:
@@ -193,22 +200,26 @@ def _rms_norm_bwd(
 
 @triton.jit
 def _rms_norm_dw_reduce(
-    DW_PARTIAL,  # [P, N] fp32 partial rows
-    DW,  # output [N], the weight's dtype
+    PARTIAL,  # [P, N] fp32 partial rows
+    OUT,  # [splits, N]: fp32 (first of two stages) or dweight's dtype ([1, N], last stage)
     P,
     N,
+    rows_per_split,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
+    # Program (column tile, split) sums its split's partial rows. Fixed order: BLOCK_P-row
+    # tiles in sequence, each summed by the same tree; the launcher fixes the splits.
     cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(1).to(tl.int64)
     col_mask = cols < N
     acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    # Fixed order: P tiles in sequence, each summed by the same tree.
-    for start in range(0, P, BLOCK_P):
-        p = start + tl.arange(0, BLOCK_P)
-        mask = (p < P)[:, None] & col_mask[None, :]
-        acc += tl.load(DW_PARTIAL + p[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
+    for start in range(0, rows_per_split, BLOCK_P):
+        i = start + tl.arange(0, BLOCK_P)
+        p = split * rows_per_split + i
+        mask = ((i < rows_per_split) & (p < P))[:, None] & col_mask[None, :]
+        acc += tl.load(PARTIAL + p[:, None] * N + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT + split * N + cols, tl.sum(acc, axis=0).to(OUT.dtype.element_ty), mask=col_mask)
 
 
 def is_interpreted() -> bool:
@@ -249,9 +260,24 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
                        cfg: KernelConfig | None = None) -> Tensor:
-    """Uninitialized fp32 scratch for the dweight partials: [row groups, N]."""
+    """Uninitialized fp32 scratch for the dweight partials: [row groups + reduce splits, N]
+    (one partial row per row group, then the first reduce stage's rows, if any)."""
     groups, _ = backward_programs(m, n, device, cfg or backward_config(n, dtype))
-    return torch.empty((groups, n), dtype=torch.float32, device=device)
+    return torch.empty((groups + reduce_splits(groups, n, device), n), dtype=torch.float32, device=device)
+
+
+def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) -> None:
+    """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order: one
+    stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows)."""
+    p, n = partial.shape
+    tiles = cdiv(n, REDUCE_BLOCK_N)
+    if mid is not None and mid.shape[0] > 1:
+        splits = mid.shape[0]
+        _rms_norm_dw_reduce[(tiles, splits)](
+            partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
+        )
+        partial, p = mid, splits
+    _rms_norm_dw_reduce[(tiles, 1)](partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
 
 
 def launch_backward(
@@ -276,6 +302,4 @@ def launch_backward(
         pad_rows=rows_per_group,
     )
     if has_weight:
-        _rms_norm_dw_reduce[(cdiv(n, REDUCE_BLOCK_N),)](
-            workspace, dweight, groups, n, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
-        )
+        reduce_dweight(workspace[:groups], dweight, workspace[groups:])
