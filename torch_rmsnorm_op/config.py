@@ -33,14 +33,16 @@ FWD_LADDER = (
 FWD_SPLIT = (8192, 8)
 # Backward, single-pass: (max N, elements per program, warps, programs per SM).
 BWD_LADDER = (
-    (1024, 4096, 4, 4),  # N=1024: 4 rows 80.2% (2 rows/2 per SM, the first table: 42.6%)
+    (256, 4096, 4, 4),  # 82.7% (8 per SM 81.1%; -near run of 2026-11-29-h200-tune2)
+    (1024, 4096, 4, 8),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
     (4096, 16384, 16, 2),  # 84.4%
     (8192, 16384, 16, 1),  # 86.8%
     (16384, 16384, 16, 1),  # 76.5% (split 2 x 8192: below 70%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# 56.4% at N=32768, 54.7% at 65536, 45.1% at 262144 (bf16).
-BWD_SPLIT = (16384, 8, 1)
+# 16 warps: 55.4% at N=32768, 53.5% at 65536, 45.2% at 262144 (bf16; 8 warps: 51.7%, 51.7%,
+# 45.4%, -tune2); 8192 columns x twice the programs: 48.5%, 47.2%, 41.3%.
+BWD_SPLIT = (16384, 16, 1)
 # fp32 keeps x and dy at 4 bytes in registers: 16384 columns on 8 warps spilled
 # (fwd+bwd 18% of copy at 1024x65536 fp32, vs 58-60% for bf16/fp16 at N=65536:
 # profiling/results/2026-11-29-h200-results), so half the columns per program.

@@ -55,11 +55,10 @@ def _arrive_and_wait(COUNTER, expected):
     consecutively and blocks start in id order, so all of them get to run."""
     tl.debug_barrier()  # every thread's partial store precedes the release below
     count = tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1
-    # Poll with plain volatile loads: a scalar atomic runs on one thread and is broadcast
-    # through shared memory with a block barrier each time; a load is read by every thread.
+    # Polling with volatile loads by every thread instead was slower when many programs wait
+    # (forward 2048 x 65536: 57% vs 73% of copy; profiling/NOTES.md).
     while count < expected:
-        count = tl.load(COUNTER, volatile=True)
-    tl.atomic_add(COUNTER, 0, sem="acquire")  # the siblings' partial stores are visible after this
+        count = tl.atomic_add(COUNTER, 0, sem="acquire")
     tl.debug_barrier()
 
 
