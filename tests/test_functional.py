@@ -221,9 +221,13 @@ def test_cuda_autocast_matches_torch():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         h = x @ torch.eye(64, device="cuda")  # bf16 under autocast
         y, y_ref = T.rms_norm(h, (64,), w), F.rms_norm(h, (64,), w)
-    assert h.dtype == torch.bfloat16 and y.dtype == y_ref.dtype == torch.float32
-    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-4)
+    assert h.dtype == torch.bfloat16 and y.dtype == y_ref.dtype, (y.dtype, y_ref.dtype)
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA"):
+        assert y.dtype == torch.float32  # aten's rms_norm is on this torch's CUDA fp32 list
+    tol = dict(atol=1e-5, rtol=1e-4) if y.dtype == torch.float32 else dict(atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(y, y_ref, **tol)
     y.sum().backward()
+    assert x.grad is not None and w.grad is not None
 
 
 def test_cpu_autocast_matches_torch():

@@ -142,20 +142,45 @@ def bench_shape(m, n, dtype, iters, repeats, copy_gbs, device="cuda"):
                     step()
                     torch.cuda.synchronize()
                     rec["peak_extra_MiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
-                if m * n < 1 << 16 and pass_name == "fwd" and device == "cuda":
-                    with torch.no_grad():
-                        for _ in range(20):
-                            fn(xs[0])
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        for _ in range(200):
-                            fn(xs[0])
-                        rec["call_us"] = round((time.perf_counter() - t0) / 200 * 1e6, 2)
-                        torch.cuda.synchronize()
             except Exception as e:  # a failing implementation is a result, not a crash
                 rec["error"] = repr(e)[:300]
             rows.append(rec)
             print(json.dumps(rec), flush=True)
+    return rows
+
+
+def _call_us(fn, calls: int = 200) -> float:
+    """Wall time per call, host side, for back-to-back calls (after warm-up)."""
+    with torch.no_grad():
+        for _ in range(20):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+LATENCY_SHAPES = [(128, 257, torch.float32), (4096, 4096, torch.bfloat16)]
+
+
+def latency_rows(m: int, n: int, dtype: torch.dtype, device: str = "cuda") -> list[dict]:
+    """Per-call cost of one forward: ours and ``F.rms_norm`` eager, ours compiled with
+    ``mode="reduce-overhead"`` (CUDA graphs), and our kernels' GPU time alone."""
+    x = torch.randn(m, n, device=device, dtype=dtype)
+    w = torch.rand(n, device=device, dtype=dtype) + 0.5
+    torch._dynamo.reset()
+    graphed = torch.compile(lambda x: T.rms_norm(x, (n,), w, EPS), mode="reduce-overhead", dynamic=False)
+    fns = {"ours": lambda: T.rms_norm(x, (n,), w, EPS), "eager": lambda: F.rms_norm(x, (n,), w, EPS),
+           "ours reduce-overhead": lambda: graphed(x)}
+    base = {"M": m, "N": n, "dtype": str(dtype).removeprefix("torch."), "pass": "call"}
+    rows = [dict(base, impl=name, call_us=round(_call_us(fn), 2)) for name, fn in fns.items()]
+    with torch.no_grad():
+        rows.append(dict(base, impl="ours kernel", call_us=round(gpu_us(fns["ours"], 20, 5), 2)))
+    print(json.dumps(rows), flush=True)
     return rows
 
 
@@ -180,7 +205,7 @@ def write_results(result: dict, out_dir: str) -> str:
     seen = []
     for r in result["rows"]:
         k = (r["M"], r["N"], r["dtype"], r["pass"])
-        if k in seen:
+        if k in seen or r["pass"] == "call":
             continue
         seen.append(k)
         cells = {i: keyed.get(k + (i,), {}) for i in ("ours", "inductor", "eager")}
@@ -193,7 +218,8 @@ def write_results(result: dict, out_dir: str) -> str:
         )
     calls = [r for r in result["rows"] if "call_us" in r]
     if calls:
-        lines += ["", "Eager per-call wall time (host side, back-to-back calls):", ""]
+        lines += ["", "Per-call wall time of a forward (host side, back-to-back calls, no grad); "
+                  "`ours kernel` is the GPU time of our kernels alone for the same call:", ""]
         lines += [f"- {r['M']}×{r['N']} {r['dtype']} {r['impl']}: {r['call_us']} µs" for r in calls]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -240,19 +266,22 @@ def run(out_dir: str, iters: int = 20, repeats: int = 5, quick: bool = False, sm
         iters, repeats = min(iters, 3), min(repeats, 3)
     copy_gbs = copy_ceiling(iters, repeats, device, numel=1 << (24 if smoke else 30))
     print(f"copy ceiling: {copy_gbs:.0f} GB/s", flush=True)
-    rows = []
-    plan = SMOKE_SHAPES if smoke else shapes(quick)
-    for i, (m, n, dt) in enumerate(plan, 1):
-        print(f"[{i}/{len(plan)}] {m}x{n} {str(dt).removeprefix('torch.')}", flush=True)
-        rows += bench_shape(m, n, dt, iters, repeats, copy_gbs, device)
-        if device == "cuda":
-            torch.cuda.empty_cache()
     timing = ("GPU time per step from torch.profiler device events (median)." if device == "cuda" else
               "**CPU smoke run through the Triton interpreter: wall-clock times, not GPU timings.**")
     result = {
         "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu-interpreter",
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.date.today().isoformat(), "copy_GBs": round(copy_gbs, 1), "timing": timing,
-        "rows": rows, "dispatch_stats": T.dispatch_stats(),
+        "rows": [], "dispatch_stats": {},
     }
+    plan = SMOKE_SHAPES if smoke else shapes(quick)
+    for i, (m, n, dt) in enumerate(plan, 1):
+        print(f"[{i}/{len(plan)}] {m}x{n} {str(dt).removeprefix('torch.')}", flush=True)
+        result["rows"] += bench_shape(m, n, dt, iters, repeats, copy_gbs, device)
+        result["dispatch_stats"] = T.dispatch_stats()
+        write_results(result, out_dir)  # after every shape: a run cut short keeps what it measured
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for m, n, dt in LATENCY_SHAPES if device == "cuda" else []:
+        result["rows"] += latency_rows(m, n, dt)
     return write_results(result, out_dir)

@@ -40,12 +40,15 @@ BWD_LADDER = (
     (16384, 16384, 16, 1),  # 76.5% (split 2 x 8192: below 70%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# 16 warps: 55.4% at N=32768, 53.5% at 65536, 45.2% at 262144 (bf16; 8 warps: 51.7%, 51.7%,
-# 45.4%, -tune2); 8192 columns x twice the programs: 48.5%, 47.2%, 41.3%.
-BWD_SPLIT = (16384, 16, 1)
+# The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
+# reached 56.1% at N=32768, 53.1% at 65536, 49.5% at 262144 (bf16), against 53.1%, 51.5%,
+# 44.3% for the best without the prefetch (16384 x 16; 16384 x 16 spills with it: 35-37%).
+# Half the columns also halve the dweight scratch (under 2% of dx). profiling/NOTES.md.
+BWD_SPLIT = (8192, 16, 1)
 # fp32 keeps x and dy at 4 bytes in registers: 16384 columns on 8 warps spilled
 # (fwd+bwd 18% of copy at 1024x65536 fp32, vs 58-60% for bf16/fp16 at N=65536:
 # profiling/results/2026-11-29-h200-results), so half the columns per program.
+# 66.7% without the prefetch, 63.6% with it (bwd alone, 1024x65536).
 BWD_SPLIT_FP32 = (8192, 8, 1)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.

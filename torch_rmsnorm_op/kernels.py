@@ -152,9 +152,9 @@ def _rms_norm_bwd(
     row_end = tl.minimum(row_start + rows_per_group, M)  # single-pass mask; split mode masks by M
     cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    if HAS_WEIGHT:
-        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
     if SPLIT == 1:
+        if HAS_WEIGHT:
+            w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         # Loop bounds are host integers (the interpreter cannot index with in-kernel values).
         for first in range(0, rows_per_group, ROWS):
@@ -177,14 +177,22 @@ def _rms_norm_bwd(
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with barrier slots of their own (PARTIAL and COUNT have
         # M + rows_per_group rows), so all SPLIT programs of a group still meet at each one.
+        # Row i + 1's x and dy are requested before row i's barrier, so they arrive while the
+        # program waits; w is re-read per row (from cache) to leave registers for them.
+        first = cols < tl.where(row_start < M, N, 0)
+        x_next = tl.load(X + row_start * stride_x + cols, mask=first, other=0.0)
+        dy_next = tl.load(DY + row_start * stride_dy + cols, mask=first, other=0.0)
         for i in range(0, rows_per_group):
             row = row_start + i
             live = cols < tl.where(row < M, N, 0)
-            x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            ahead = cols < tl.where((row + 1 < M) & (i + 1 < rows_per_group), N, 0)
+            x_next = tl.load(X + (row + 1) * stride_x + cols, mask=ahead, other=0.0)
+            dy_next = tl.load(DY + (row + 1) * stride_dy + cols, mask=ahead, other=0.0)
             u = dy
             if HAS_WEIGHT:
-                u = dy * w
+                u = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             dot = _row_total(tl.sum(u * x, axis=0), PARTIAL + row * SPLIT, chunk, COUNT + row, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
@@ -224,6 +232,29 @@ def _rms_norm_dw_reduce(
 def is_interpreted() -> bool:
     """True when the kernels were defined under ``TRITON_INTERPRET=1`` (they run on CPU tensors)."""
     return not isinstance(_rms_norm_fwd, triton.runtime.JITFunction)
+
+
+def _squeeze_interpreter_loop_bounds() -> None:
+    """Triton 3.6's interpreter turns a scalar kernel argument used as a ``range`` bound into an
+    index with ``int()`` of a 1-element array, which numpy 2 refuses ("only 0-dimensional
+    arrays can be converted to Python scalars"); Triton 3.9 squeezes the array first. Give
+    older interpreters that same conversion (CPU runs only; compiled kernels are untouched)."""
+    from triton.runtime import interpreter
+
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.squeezes_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if is_interpreted():
+    _squeeze_interpreter_loop_bounds()
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,

@@ -158,9 +158,12 @@ def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
 
 
 torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context)
-# aten's rms_norm is on CUDA autocast's fp32 list (not CPU's): inside a CUDA autocast region
-# F.rms_norm computes from fp32 inputs and returns fp32, so the op does the same.
-torch.library.register_autocast("rmsnorm::fwd", "cuda", torch.float32)
+# Autocast as aten's rms_norm has it in this torch: where it is on a device's autocast fp32
+# list (CUDA's in torch 2.13, not CPU's), F.rms_norm computes from fp32 inputs and returns
+# fp32 there, so the op does the same; elsewhere inputs pass through as they are.
+for _device, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", _key):
+        torch.library.register_autocast("rmsnorm::fwd", _device, torch.float32)
 
 
 def _transform_reason() -> str | None:

@@ -20,33 +20,6 @@ VARIANTS = {
     tl.atomic_add(COUNTER, 0, sem="acquire")
 """,
     ),
-    # Split-mode backward: request row i + 1's x and dy before row i's barrier; w reloaded per row.
-    "prefetch": (
-        """        for i in range(0, rows_per_group):
-            row = row_start + i
-            live = cols < tl.where(row < M, N, 0)
-            x = tl.load(X + row * stride_x + cols, mask=live, other=0.0).to(tl.float32)
-            dy = tl.load(DY + row * stride_dy + cols, mask=live, other=0.0).to(tl.float32)
-            u = dy
-            if HAS_WEIGHT:
-                u = dy * w
-""",
-        """        first = cols < tl.where(row_start < M, N, 0)
-        x_next = tl.load(X + row_start * stride_x + cols, mask=first, other=0.0)
-        dy_next = tl.load(DY + row_start * stride_dy + cols, mask=first, other=0.0)
-        for i in range(0, rows_per_group):
-            row = row_start + i
-            live = cols < tl.where(row < M, N, 0)
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            ahead = cols < tl.where((row + 1 < M) & (i + 1 < rows_per_group), N, 0)
-            x_next = tl.load(X + (row + 1) * stride_x + cols, mask=ahead, other=0.0)
-            dy_next = tl.load(DY + (row + 1) * stride_dy + cols, mask=ahead, other=0.0)
-            u = dy
-            if HAS_WEIGHT:
-                u = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-""",
-    ),
 }
 
 name, revert = sys.argv[1], "--revert" in sys.argv
