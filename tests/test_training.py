@@ -53,9 +53,10 @@ def test_resume_after_sigterm_is_bit_exact(tmp_path):
     while not (interrupted / "checkpoint.pt").exists():  # handled at the end of the step in flight
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
+    _wait_for_lines(proc, interrupted, len(_lines(interrupted)) + 1)  # past the SIGUSR1 step
     proc.send_signal(signal.SIGTERM)  # save and exit
     log = proc.communicate(timeout=600)[0]
-    assert proc.returncode == 0, log
+    assert proc.returncode == 0, f"exit status {proc.returncode} after {len(_lines(interrupted))} steps; log:\n{log}"
     assert "SIGUSR1: checkpoint" in log and "SIGTERM: checkpoint" in log
     stopped_at = len(_lines(interrupted))
     assert stopped_at < STEPS, "the run finished before the signal: nothing was resumed"

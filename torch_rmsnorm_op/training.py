@@ -207,10 +207,20 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
     # The memory-efficient and flash SDPA backwards are not deterministic on CUDA: use the math one.
     stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
     requested: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda s, _f: requested.append(s)) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+
+    def on_signal(sig: int, _frame) -> None:
+        requested.append(sig)
+
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    print(f"training from step {step} to {steps}; SIGUSR1 saves and continues, SIGTERM saves and exits",
+          flush=True)
     losses = []
     try:
         while step < steps:
+            for sig in handlers:  # a library that reset a handler during compilation would lose the signal
+                if signal.getsignal(sig) is not on_signal:
+                    print(f"{signal.Signals(sig).name} handler had been replaced; reinstalled", flush=True)
+                    signal.signal(sig, on_signal)
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for _ in range(cfg.accumulation):
@@ -228,12 +238,13 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
             if writer:
                 writer.add_scalar("tiny_gpt/loss", total, step)
             if requested:
+                pending = requested.copy()
+                del requested[: len(pending)]  # a signal that lands from here on waits for the next step
                 save()
-                if signal.SIGTERM in requested:
+                if signal.SIGTERM in pending:
                     print(f"SIGTERM: checkpoint at step {step} saved to {ckpt_path}; exiting", flush=True)
                     return losses
                 print(f"SIGUSR1: checkpoint at step {step} saved; continuing", flush=True)
-                requested.clear()
         save()
     finally:
         stack.close()
