@@ -217,10 +217,11 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
     losses = []
     try:
         while step < steps:
-            for sig in handlers:  # a library that reset a handler during compilation would lose the signal
-                if signal.getsignal(sig) is not on_signal:
-                    print(f"{signal.Signals(sig).name} handler had been replaced; reinstalled", flush=True)
-                    signal.signal(sig, on_signal)
+            # Re-arm every step: on the H200 a SIGUSR1 sent after the first steps was swallowed
+            # (no handler ran, no exit), as if native code had replaced the C-level handler,
+            # which signal.getsignal cannot see; signal.signal installs Python's again.
+            for sig in handlers:
+                signal.signal(sig, on_signal)
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for _ in range(cfg.accumulation):
