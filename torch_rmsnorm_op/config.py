@@ -18,7 +18,8 @@ MAX_N = 1 << 20
 
 # The ladders below were chosen on the H200 (bf16, M*N = 128 Mi elements, launcher GPU
 # time, % of the copy ceiling measured in the same run) by profiling/tune.py:
-# profiling/results/2026-11-29-h200-tune/tune.json.
+# profiling/results/2026-11-29-h200-tune/tune.json, revisited in -tune2 (its --near runs);
+# profiling/NOTES.md keeps every variant's numbers.
 #
 # Forward, single-pass (whole rows in registers): (max N, elements per program, warps).
 FWD_LADDER = (
@@ -33,11 +34,11 @@ FWD_LADDER = (
 FWD_SPLIT = (8192, 8)
 # Backward, single-pass: (max N, elements per program, warps, programs per SM).
 BWD_LADDER = (
-    (256, 4096, 4, 4),  # 82.7% (8 per SM 81.1%; -near run of 2026-11-29-h200-tune2)
+    (256, 4096, 4, 4),  # N=256: 82.7% (8 per SM 81.1%; -tune2)
     (1024, 4096, 4, 8),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
-    (4096, 16384, 16, 2),  # 84.4%
+    (4096, 16384, 16, 2),  # 84.4% (86.7% in -tune2)
     (8192, 16384, 16, 1),  # 86.8%
-    (16384, 16384, 16, 1),  # 76.5% (split 2 x 8192: below 70%)
+    (16384, 16384, 16, 1),  # 76.5% (82.0% in -tune2; split 2 x 8192: below 70%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
 # The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that

@@ -14,14 +14,16 @@ contiguous, any row stride). x is read once in both directions:
 - split mode (``SPLIT > 1``, long rows): ``SPLIT`` consecutive programs each
   hold one ``BLOCK_N`` chunk of a row, publish a partial sum, meet at a
   per-row barrier (``_arrive_and_wait``; atomics count, never sum) and add the
-  ``SPLIT`` partials in one fixed order. Under the Triton interpreter, which
+  ``SPLIT`` partials in one fixed order (``_row_total``). The backward requests
+  a group's next row before each barrier. Under the Triton interpreter, which
   runs programs one after another, the same kernel runs in two launches
   (``PHASE`` 1 then 2) instead of meeting at a barrier.
 
 dweight is reduced deterministically: each backward program (single-pass) or
 row group (split) writes one fp32 partial row (scratch is groups x N, never
-M x N), and ``_rms_norm_dw_reduce`` sums the partials in a fixed order. No
-float atomics anywhere. The launchers take validated 2-D tensors and write
+M x N), and ``_rms_norm_dw_reduce`` sums the partials in a fixed order, in
+one stage or, when N has few column tiles, two (``reduce_dweight``). No float
+atomics anywhere. The launchers take validated 2-D tensors and write
 into the outputs they are given; ``ops.py`` allocates and validates.
 """
 
