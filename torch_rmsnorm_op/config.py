@@ -13,7 +13,9 @@ from dataclasses import dataclass
 import torch
 
 # Largest row length the kernels serve; longer rows go to the fallback policy.
-# Split mode has no cliff up to here (64 programs of 16384 columns per row).
+# Split mode has no cliff up to here: the backward spreads a row over 128 programs of 8192
+# columns, which must all be resident at once, so a GPU with fewer SMs than a row needs
+# programs sends that N to the fallback policy (fallback.kernel_unsupported_reason).
 MAX_N = 1 << 20
 
 # The ladders below were chosen on the H200 (bf16, M*N = 128 Mi elements, launcher GPU

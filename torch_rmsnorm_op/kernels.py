@@ -159,7 +159,7 @@ def _rms_norm_bwd(
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
         # Bounds computed in the kernel, as when the table was tuned (bwd at N = 8192: 87% of
-        # copy; 75% in two runs after a change to a host-integer count: profiling/NOTES.md).
+        # copy; 75% after a change to a host-integer count: profiling/NOTES.md).
         for first in range(row_start, row_end, ROWS):
             rows = first + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
