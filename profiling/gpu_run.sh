@@ -2,8 +2,12 @@
 # One device call on a GPU machine, from the repo root, writing into OUTDIR (at most 8 files):
 #   bash profiling/gpu_run.sh results OUTDIR   benchmark sweep, check, demo, training runs
 #   bash profiling/gpu_run.sh tests OUTDIR     the whole test suite on CUDA
+#   bash profiling/gpu_run.sh tune OUTDIR JOBS [VARIANT VARIANT_JOBS]...
+#       profiling/tune.py --near over JOBS (pass:dtype:N,...), then for each VARIANT
+#       (profiling/variants/apply.py) the same over its jobs; then, if $TESTS is set, those
+#       pytest arguments (time limit $TEST_TIMEOUT seconds, default 240).
 set -u -o pipefail
-what=$1; out=$2
+what=$1; out=$2; shift 2
 mkdir -p "$out"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 log="$out/log.txt"
@@ -13,6 +17,22 @@ log="$out/log.txt"
 } 2>&1 | tee "$log"
 if [ "$what" = tests ]; then
   python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tee -a "$log"; echo "pytest rc=$?" | tee -a "$log"
+  exit 0
+fi
+if [ "$what" = tune ]; then
+  timeout 200 python3 profiling/tune.py --near --out "$out" --jobs "$1" --tag near 2>&1 | tee -a "$log"
+  shift
+  while [ $# -ge 2 ]; do
+    python3 profiling/variants/apply.py "$1" | tee -a "$log"
+    timeout 120 python3 profiling/tune.py --near --out "$out" --jobs "$2" --tag "$1" 2>&1 | tee -a "$log"
+    python3 profiling/variants/apply.py "$1" --revert
+    shift 2
+  done
+  if [ -n "${TESTS:-}" ]; then
+    eval "timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -rs -p no:cacheprovider $TESTS" 2>&1 \
+      | tee "$out/pytest.txt" | tail -15 >> "$log"
+  fi
+  date -u | tee -a "$log"
   exit 0
 fi
 python3 -m torch_rmsnorm_op bench --out "$out" 2>&1 | tee -a "$log" | grep -v '^{'

@@ -16,7 +16,6 @@ import itertools
 import json
 import os
 import sys
-import time
 
 import torch
 import triton
@@ -24,6 +23,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import kernels, reference  # noqa: E402
+from torch_rmsnorm_op.benchmark import call_us  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
 
 BYTES = 256 * 2**20  # x alone, as in the benchmark
@@ -178,17 +178,9 @@ def main():
         "empty x2": lambda: (torch.empty_like(x), torch.empty(128, device=DEVICE)),
     }
     results["call_us"] = {}
-    with torch.no_grad():
-        for name, fn in calls.items():
-            for _ in range(50):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(500):
-                fn()
-            results["call_us"][name] = (time.perf_counter() - t0) / 500 * 1e6
-            torch.cuda.synchronize()
-            print(f"call {name}: {results['call_us'][name]:.1f} us", flush=True)
+    for name, fn in calls.items():
+        results["call_us"][name] = call_us(fn, calls=500)
+        print(f"call {name}: {results['call_us'][name]:.1f} us", flush=True)
     save(results, args)
 
 

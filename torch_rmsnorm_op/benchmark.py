@@ -149,7 +149,7 @@ def bench_shape(m, n, dtype, iters, repeats, copy_gbs, device="cuda"):
     return rows
 
 
-def _call_us(fn, calls: int = 200) -> float:
+def call_us(fn, calls: int = 200) -> float:
     """Wall time per call, host side, for back-to-back calls (after warm-up)."""
     with torch.no_grad():
         for _ in range(20):
@@ -177,7 +177,7 @@ def latency_rows(m: int, n: int, dtype: torch.dtype, device: str = "cuda") -> li
     fns = {"ours": lambda: T.rms_norm(x, (n,), w, EPS), "eager": lambda: F.rms_norm(x, (n,), w, EPS),
            "ours reduce-overhead": lambda: graphed(x)}
     base = {"M": m, "N": n, "dtype": str(dtype).removeprefix("torch."), "pass": "call"}
-    rows = [dict(base, impl=name, call_us=round(_call_us(fn), 2)) for name, fn in fns.items()]
+    rows = [dict(base, impl=name, call_us=round(call_us(fn), 2)) for name, fn in fns.items()]
     with torch.no_grad():
         rows.append(dict(base, impl="ours kernel", call_us=round(gpu_us(fns["ours"], 20, 5), 2)))
     print(json.dumps(rows), flush=True)
