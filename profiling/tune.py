@@ -3,7 +3,7 @@
 Times the launchers directly (GPU time, ``triton.testing.do_bench`` median, after
 a correctness check against the float64 reference), x of 256 MiB as in the
 benchmark. ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
-table's neighbours. Also breaks down the host-side cost of one eager call.
+table's neighbours (``profiling/host_overhead.py`` breaks down the host cost of a call).
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near]``;
 writes ``DIR/<tag>.json``.
 """
@@ -21,9 +21,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import kernels, reference  # noqa: E402
-from torch_rmsnorm_op.benchmark import call_us  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
 
 BYTES = 256 * 2**20  # x alone, as in the benchmark
@@ -66,6 +64,8 @@ def neighbours(cfg: KernelConfig, backward: bool) -> list[KernelConfig]:
         for v in (getattr(cfg, f) // 2, getattr(cfg, f) * 2)
         if 1 <= v <= 32
     ]
+    if backward and cfg.split == 1:  # the other row-loop form
+        out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
     if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
         out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2))
         if cfg.split > 1:
@@ -166,22 +166,6 @@ def main():
         results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
-    # Host-side cost of one eager call at the tutorial's shape.
-    x = torch.randn(128, 257, device=DEVICE)
-    w = torch.randn(257, device=DEVICE)
-    y, rstd = torch.empty_like(x), torch.empty(128, device=DEVICE)
-    calls = {
-        "F.rms_norm": lambda: torch.nn.functional.rms_norm(x, (257,), w, 1e-6),
-        "T.rms_norm": lambda: T.rms_norm(x, (257,), w, 1e-6),
-        "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, 1e-6),
-        "launch_forward": lambda: kernels.launch_forward(x, w, 1e-6, y, rstd),
-        "empty x2": lambda: (torch.empty_like(x), torch.empty(128, device=DEVICE)),
-    }
-    results["call_us"] = {}
-    for name, fn in calls.items():
-        results["call_us"][name] = call_us(fn, calls=500)
-        print(f"call {name}: {results['call_us'][name]:.1f} us", flush=True)
-    save(results, args)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,29 @@ def test_split_backward_with_a_ragged_last_group(device):
     torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
+def test_single_pass_backward_loop_forms_agree(device):
+    """Both row-loop forms of the single-pass backward (``KernelConfig.counted_loop``), with a
+    ragged last group and a ragged last tile: the reference's values, the same bits."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig, backward_programs
+
+    m, n = 23, 40
+    x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
+    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    outs = []
+    for counted in (False, True):
+        cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted)
+        groups, per_group = backward_programs(m, n, torch.device(device), cfg)
+        assert groups >= 2 and m % per_group % cfg.rows != 0, (groups, per_group)  # last group, tile ragged
+        dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+        kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
+        torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
+        outs.append((dx, dw))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_dweight_reduction_stages(device, splits):
     """The dweight reduction, one stage or two (a ragged last split, columns past a tile):

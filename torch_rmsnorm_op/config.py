@@ -34,13 +34,13 @@ FWD_LADDER = (
 # Forward beyond the ladder, split mode: (columns per program, warps).
 # 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%).
 FWD_SPLIT = (8192, 8)
-# Backward, single-pass: (max N, elements per program, warps, programs per SM).
+# Backward, single-pass: (max N, elements per program, warps, programs per SM, counted loop).
 BWD_LADDER = (
-    (256, 4096, 4, 4),  # N=256: 82.7% (8 per SM 81.1%; -tune2)
-    (1024, 4096, 4, 8),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
-    (4096, 16384, 16, 2),  # 84.4% (86.7% in -tune2)
-    (8192, 16384, 16, 1),  # 86.8%
-    (16384, 16384, 16, 1),  # 76.5% (82.0% in -tune2; split 2 x 8192: below 70%)
+    (256, 4096, 4, 4, False),  # N=256: 82.7% (8 per SM 81.1%; -tune2)
+    (1024, 4096, 4, 8, False),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
+    (4096, 16384, 16, 2, False),  # 84.4% (86.7% in -tune2)
+    (8192, 16384, 16, 1, False),  # 86.8%
+    (16384, 16384, 16, 1, False),  # 76.5% (82.0% in -tune2; split 2 x 8192: below 70%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
 # The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
@@ -77,23 +77,25 @@ def cdiv(a: int, b: int) -> int:
 class KernelConfig:
     """One launch shape: ``rows`` rows of ``block_n`` columns per program, or, with
     ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns.
-    ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch)."""
+    ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch);
+    ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``)."""
 
     block_n: int
     rows: int
     num_warps: int
     split: int = 1
     programs_per_sm: int = 1
+    counted_loop: bool = False
 
 
 def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
     block = next_power_of_2(n)
-    for max_n, elements, warps, *pps in ladder:
+    for max_n, elements, warps, *backward in ladder:
         if n <= max_n:
             rows = max(1, elements // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
-            return KernelConfig(block, rows, warps, 1, *pps)
+            return KernelConfig(block, rows, warps, 1, *backward)
     split = next_power_of_2(cdiv(n, split_block))
     return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps)
 

@@ -145,6 +145,7 @@ def _rms_norm_bwd(
     HAS_WEIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
+    COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -158,10 +159,14 @@ def _rms_norm_bwd(
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
         dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        # Bounds computed in the kernel, as when the table was tuned (bwd at N = 8192: 87% of
-        # copy; 75% after a change to a host-integer count: profiling/NOTES.md).
-        for first in range(row_start, row_end, ROWS):
-            rows = first + tl.arange(0, ROWS)
+        # The loop form alone moved the backward by several % of copy, each way at different N
+        # (profiling/NOTES.md), so the table picks it per rung.
+        if COUNTED_LOOP:
+            loop_start, loop_end, base = 0, rows_per_group, row_start
+        else:
+            loop_start, loop_end, base = row_start, row_end, 0
+        for first in range(loop_start, loop_end, ROWS):
+            rows = base + first + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -331,7 +336,8 @@ def launch_backward(
     _launch(
         _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
         [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-        [dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_group], dict(HAS_WEIGHT=has_weight),
+        [dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_group],
+        dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
         pad_rows=rows_per_group,
     )
     if has_weight:

@@ -1,7 +1,8 @@
 """The ops ``torch.ops.rmsnorm.fwd`` / ``torch.ops.rmsnorm.bwd``: schema, fake, autograd, functional.
 
-Registered with ``torch.library.custom_op``: under ``torch.compile`` each op is
-one opaque call, so the fallback policy and the dispatch counters act at run
+Defined with ``torch.library`` (a ``Library`` with ``define``/``impl``,
+``register_fake``, ``register_autograd``, ``register_vmap``, ``register_autocast``):
+under ``torch.compile`` each op is one opaque call, so the fallback policy and the dispatch counters act at run
 time, exactly as in eager mode, and CPU tensors run the kernels through the
 Triton interpreter even inside compiled graphs (README, "Design").
 
@@ -63,9 +64,13 @@ def _kernel_rows(op: str, x: Tensor, weight: Tensor | None) -> Tensor | None:
     return rows
 
 
-@torch.library.custom_op(
-    "rmsnorm::fwd", mutates_args=(), schema="(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)"
-)
+# ``custom_op`` would register the same kernels behind a Python wrapper of its own (an aliasing
+# check and a dynamo-disabled frame on every call); ``define`` + ``impl`` calls ours directly.
+_LIB = torch.library.Library("rmsnorm", "DEF")  # kept alive: a collected Library unregisters its ops
+_LIB.define("fwd(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)")
+_LIB.define("bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)")
+
+
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
     rows = _kernel_rows("rmsnorm.fwd", x, weight)
@@ -81,7 +86,7 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     return y, rstd
 
 
-@rms_norm_fwd.register_fake
+@torch.library.register_fake("rmsnorm::fwd", lib=_LIB)
 def _(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
     return (
@@ -90,11 +95,6 @@ def _(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     )
 
 
-@torch.library.custom_op(
-    "rmsnorm::bwd",
-    mutates_args=(),
-    schema="(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)",
-)
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
     rows = _kernel_rows("rmsnorm.bwd", x, weight)
@@ -116,13 +116,17 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
     return dx, dweight
 
 
-@rms_norm_bwd.register_fake
+@torch.library.register_fake("rmsnorm::bwd", lib=_LIB)
 def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
     return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
-@rms_norm_fwd.register_vmap
+_LIB.impl("fwd", rms_norm_fwd, "CompositeExplicitAutograd")
+_LIB.impl("bwd", rms_norm_bwd, "CompositeExplicitAutograd")
+
+
+@torch.library.register_vmap("rmsnorm::fwd", lib=_LIB)
 def _(info, in_dims, x: Tensor, weight: Tensor | None, eps: float):
     # The op normalizes the last dim; any other dim is just more rows: one call for the batch.
     x_dim, w_dim, _ = in_dims
@@ -157,13 +161,13 @@ def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
     return (dx if need_x else None), (dweight if need_w else None), None
 
 
-torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context)
+torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context, lib=_LIB)
 # Autocast as aten's rms_norm has it in this torch: where it is on a device's autocast fp32
 # list (CUDA's in torch 2.13, not CPU's), F.rms_norm computes from fp32 inputs and returns
 # fp32 there, so the op does the same; elsewhere inputs pass through as they are.
 for _device, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
     if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", _key):
-        torch.library.register_autocast("rmsnorm::fwd", _device, torch.float32)
+        torch.library.register_autocast("rmsnorm::fwd", _device, torch.float32, lib=_LIB)
 
 
 def _transform_reason() -> str | None:

@@ -1,0 +1,144 @@
+"""Where the host time of one forward call goes, on a CUDA machine (profiling/NOTES.md).
+
+At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.call_us``):
+``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; the launcher
+with preallocated outputs; Triton's JIT launch of the forward kernel; the compiled
+kernel's own launcher (``CompiledKernel[grid]``) with the same arguments; and the
+pieces a launch needs (a specialization key, the current stream). Under
+``torch.compile(mode="reduce-overhead")``: ours and Inductor's ``F.rms_norm``, wall
+time and GPU time per call, with and without ``mark_static_address`` on the input,
+and the cudagraph skip counter. Then a cProfile of the eager call.
+
+Run: ``python profiling/host_overhead.py --out DIR`` (writes ``DIR/host_overhead.json``
+and ``DIR/host_overhead_profile.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch_rmsnorm_op as T  # noqa: E402
+from torch_rmsnorm_op import kernels  # noqa: E402
+from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, gpu_us  # noqa: E402
+from torch_rmsnorm_op.config import forward_config  # noqa: E402
+
+
+def own_key(args) -> tuple:
+    """A specialization key by hand: per tensor its dtype and 16-byte alignment, per int
+    whether it is 1, divisible by 16, and fits int32; anything else by value."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif type(a) is int:
+            out.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
+        else:
+            out.append(a)
+    return tuple(out)
+
+
+def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+    y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
+    cfg = forward_config(n, dtype)
+    grid = triton.cdiv(m, cfg.rows)
+    meta = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=True, SPLIT=1, PHASE=0)
+    args = [x, w, y, rstd, x, x, x.stride(0), y.stride(0), m, n, EPS]
+    compiled = kernels._rms_norm_fwd[(grid,)](*args, **meta, num_warps=cfg.num_warps)
+    full = args + list(meta.values())  # the compiled launcher takes every argument, constexprs too
+    stream = torch.cuda.current_stream().cuda_stream
+    launcher = compiled[(grid, 1, 1)]
+    want = F.rms_norm(x.float(), (n,), w.float(), EPS)
+    torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2)
+    y.zero_()
+    launcher(*full, stream=stream)
+    torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2)
+    calls = {
+        "F.rms_norm": lambda: F.rms_norm(x, (n,), w, EPS),
+        "torch_rmsnorm_op.rms_norm": lambda: T.rms_norm(x, (n,), w, EPS),
+        "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
+        "kernels.launch_forward": lambda: kernels.launch_forward(x, w, EPS, y, rstd),
+        "JIT launch (kernel[grid](...))": lambda: kernels._rms_norm_fwd[(grid,)](
+            *args, **meta, num_warps=cfg.num_warps
+        ),
+        "compiled launcher, stream given": lambda: launcher(*full, stream=stream),
+        "compiled launcher, stream looked up": lambda: launcher(*full),
+        "current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
+        "key by hand": lambda: own_key(full),
+        "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
+    }
+    return {name: round(call_us(fn, calls=1000), 2) for name, fn in calls.items()}
+
+
+def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for static in (False, True):
+        for name, fn in (("ours", T.rms_norm), ("Inductor F.rms_norm", F.rms_norm)):
+            torch._dynamo.reset()
+            counters.clear()
+            x = torch.randn(m, n, device="cuda", dtype=dtype)
+            w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+            if static:
+                torch._dynamo.mark_static_address(x)
+            compiled = torch.compile(lambda x, fn=fn, w=w: fn(x, (n,), w, EPS), mode="reduce-overhead")
+            label = f"{name}{', static input' if static else ''}"
+            call = lambda compiled=compiled, x=x: compiled(x)  # noqa: E731
+            wall = call_us(call, calls=500)  # under no_grad
+            with torch.no_grad():  # the same graph
+                gpu = gpu_us(call, 20, 5)
+            out[label] = {"call_us": round(wall, 2), "gpu_us": round(gpu, 2),
+                          "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+    graph = torch.cuda.CUDAGraph()
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+    T.rms_norm(x, (n,), w, EPS)
+    with torch.cuda.graph(graph):
+        T.rms_norm(x, (n,), w, EPS)
+    out["torch.cuda.CUDAGraph.replay (ours captured)"] = {"call_us": round(call_us(graph.replay, calls=500), 2)}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    T.set_fallback_policy("error")
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    for m, n, dtype in LATENCY_SHAPES:
+        shape = f"{m}x{n} {str(dtype).removeprefix('torch.')}"
+        result[shape] = {"eager_call_us": eager_rows(m, n, dtype)}
+        print(shape, json.dumps(result[shape]), flush=True)
+        result[shape]["reduce_overhead"] = graph_rows(m, n, dtype)
+        print(shape, json.dumps(result[shape]["reduce_overhead"]), flush=True)
+        with open(os.path.join(args.out, "host_overhead.json"), "w") as f:
+            json.dump(result, f, indent=1)
+    m, n, dtype = LATENCY_SHAPES[0]
+    x = torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.runcall(lambda: [T.rms_norm(x, (n,), w, EPS) for _ in range(2000)])
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    with open(os.path.join(args.out, "host_overhead_profile.txt"), "w") as f:
+        f.write(text.getvalue())
+    print(text.getvalue()[:6000])
+
+
+if __name__ == "__main__":
+    main()
