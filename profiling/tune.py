@@ -66,6 +66,8 @@ def neighbours(cfg: KernelConfig, backward: bool) -> list[KernelConfig]:
     ]
     if backward and cfg.split == 1:  # the other row-loop form
         out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
+    if cfg.split > 1 and cfg.block_n * cfg.split <= 65536:  # the whole row in one program
+        out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm) for w in (16, 32)]
     if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
         out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2))
         if cfg.split > 1:

@@ -36,12 +36,15 @@ FWD_LADDER = (
 FWD_SPLIT = (8192, 8)
 # Backward, single-pass: (max N, elements per program, warps, programs per SM, counted loop).
 BWD_LADDER = (
-    (256, 4096, 4, 4, False),  # N=256: 82.7% (8 per SM 81.1%; -tune2)
+    (256, 8192, 4, 4, False),  # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3)
     (1024, 4096, 4, 8, False),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
     (4096, 16384, 16, 2, False),  # 84.4% (86.7% in -tune2)
     (8192, 16384, 16, 1, False),  # 86.8%
-    (16384, 16384, 16, 1, False),  # 76.5% (82.0% in -tune2; split 2 x 8192: below 70%)
+    (16384, 16384, 16, 1, True),  # 80.4% (75.5% not counted, -tune3; split 2 x 8192: below 70%)
 )
+# 4-byte dtypes: elements per program where a rung's figure is not the best for them
+# (N = 1024: 8 rows 90.0%, 4 rows 86.5%; -tune3).
+BWD_FP32_ELEMENTS = {1024: 8192}
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
 # The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
 # reached 56.1% at N=32768, 53.1% at 65536, 49.5% at 262144 (bf16), against 53.1%, 51.5%,
@@ -88,11 +91,12 @@ class KernelConfig:
     counted_loop: bool = False
 
 
-def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int,
+            elements_for: dict | None = None) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, *backward in ladder:
         if n <= max_n:
-            rows = max(1, elements // block)
+            rows = max(1, (elements_for or {}).get(max_n, elements) // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, *backward)
@@ -109,7 +113,9 @@ def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
 @functools.cache
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
-    return _config(n, BWD_LADDER, *(BWD_SPLIT_FP32 if dtype.itemsize == 4 else BWD_SPLIT))
+    if dtype.itemsize == 4:
+        return _config(n, BWD_LADDER, *BWD_SPLIT_FP32, BWD_FP32_ELEMENTS)
+    return _config(n, BWD_LADDER, *BWD_SPLIT)
 
 
 @functools.cache

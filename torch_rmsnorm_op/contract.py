@@ -25,6 +25,9 @@ class RMSNormDTypeError(RMSNormInputError, NotImplementedError):
     """An input has a dtype RMSNorm is not defined for (integer, bool, complex for the ops)."""
 
 
+_SHAPE_TYPES = (tuple, list, torch.Size)
+
+
 def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
 
@@ -44,30 +47,35 @@ def check_functional_args(
 
     Returns ``normalized_shape`` as a tuple of ints.
     """
-    if isinstance(normalized_shape, int) or not isinstance(normalized_shape, (Sequence, torch.Size)):
+    # Checks ordered cheapest-first for valid calls: this runs on every eager call.
+    if type(normalized_shape) not in _SHAPE_TYPES and (
+        isinstance(normalized_shape, int) or not isinstance(normalized_shape, (Sequence, torch.Size))
+    ):
         raise TypeError(
             f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, not "
             f"{type(normalized_shape).__name__}"
         )
     # No int() on the elements: it would specialize a dynamic dim under torch.compile.
     shape = tuple(normalized_shape)
-    if any(isinstance(s, (bool, float, complex, str)) for s in shape):
-        raise TypeError(f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, got {shape}")
-    if len(shape) == 0:
+    for s in shape:
+        if isinstance(s, (bool, float, complex, str)):
+            raise TypeError(f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, got {shape}")
+    if not shape:
         raise RMSNormInputError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
             f"element, but got normalized_shape = {list(shape)}"
         )
-    if not (input.dtype.is_floating_point or input.dtype.is_complex):
+    dtype = input.dtype
+    if not (dtype.is_floating_point or dtype.is_complex):
         raise RMSNormDTypeError(
-            f'"rms_norm" not implemented for {input.dtype}: input must be a floating-point or complex tensor'
+            f'"rms_norm" not implemented for {dtype}: input must be a floating-point or complex tensor'
         )
-    if weight is not None and tuple(weight.shape) != shape:
+    if weight is not None and weight.shape != shape:
         raise RMSNormInputError(
             "Expected weight to be of same shape as normalized_shape, but got weight of shape "
             f"{_shape(weight)} and normalized_shape = {list(shape)}"
         )
-    if input.dim() < len(shape) or tuple(input.shape[input.dim() - len(shape):]) != shape:
+    if input.shape[-len(shape):] != shape:  # also when input has fewer dims
         raise RMSNormInputError(
             f"Given normalized_shape={list(shape)}, expected input with shape [*"
             f"{', '.join(str(s) for s in shape)}], but got input of size{_shape(input)}"

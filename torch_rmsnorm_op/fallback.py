@@ -21,6 +21,7 @@ logger, so ``TORCH_LOGS=+torch_rmsnorm_op`` shows them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op.config import MAX_N, backward_config, forward_config, sm_count
+from torch_rmsnorm_op.layout import row_stride
 
 log = logging.getLogger("torch_rmsnorm_op")
 
@@ -89,15 +91,21 @@ def fallback_policy(policy: str) -> Iterator[None]:
         _policy = previous
 
 
+@functools.cache
+def _interpreted() -> bool:
+    from torch_rmsnorm_op.kernels import is_interpreted  # defines the kernels on first use
+
+    return is_interpreted()
+
+
 def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
     """Why the Triton kernels cannot serve this (valid) input, or None if they can."""
-    if x.device.type == "cpu":
-        from torch_rmsnorm_op.kernels import is_interpreted  # defines the kernels on first use
-
-        if not is_interpreted():
+    device = x.device
+    if device.type == "cpu":
+        if not _interpreted():
             return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
-    elif x.device.type != "cuda":
-        return f"no Triton kernel for device type {x.device.type!r}"
+    elif device.type != "cuda":
+        return f"no Triton kernel for device type {device.type!r}"
     if x.dtype not in KERNEL_DTYPES:
         return f"x dtype {x.dtype} (kernels serve float16, bfloat16, float32)"
     if weight is not None and weight.dtype not in KERNEL_DTYPES:
@@ -105,14 +113,16 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
     n = x.shape[-1]
     if n > MAX_N:
         return f"N = {n} above the kernels' maximum {MAX_N}"
-    if n > 1 and x.stride(-1) != 1:
-        return "x's last dimension is not contiguous"
-    if x.device.type == "cuda":
+    if row_stride(x) is None:
+        if n > 1 and x.stride(-1) != 1:
+            return "x's last dimension is not contiguous"
+        return "x's rows cannot be addressed with a single row stride"
+    if device.type == "cuda":
         # Split mode needs all of a row's programs resident at once (they meet at a barrier):
         # never more of them than the GPU has multiprocessors.
         split = max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split)
-        if split > sm_count(x.device):
-            return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(x.device)} SMs"
+        if split > sm_count(device):
+            return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
     return None
 
 

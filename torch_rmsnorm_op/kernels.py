@@ -44,6 +44,7 @@ from torch_rmsnorm_op.config import (
     forward_config,
     reduce_splits,
 )
+from torch_rmsnorm_op.layout import row_stride
 
 
 @triton.jit
@@ -269,6 +270,10 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
             meta: dict, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
     barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        # Triton launches on the current device; the tensors' device may be another one.
+        with torch.cuda.device(device):
+            return _launch(kernel, grid, m, device, cfg, before, after, meta, pad_rows)
     meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps)
     if cfg.split == 1:
         kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
@@ -285,15 +290,17 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
 
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
                    cfg: KernelConfig | None = None) -> None:
-    """Write ``y`` [M, N] and ``rstd`` [M] for ``x`` [M, N] (``N >= 1``, last dims contiguous,
-    weight contiguous [N] or None). ``cfg`` overrides the table (for tuning)."""
-    m, n = x.shape
+    """Write ``y`` and ``rstd`` (M values, contiguous) for ``x``: x and y are [M, N] or any
+    [..., N] whose rows ``layout.row_stride`` can address (``N >= 1``); weight contiguous [N]
+    or None. ``cfg`` overrides the table (for tuning)."""
+    n = x.shape[-1]
+    m = x.numel() // n
     if m == 0:
         return
     cfg = cfg or forward_config(n, x.dtype)
     grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
     _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-            [x.stride(0), y.stride(0), m, n, eps], dict(HAS_WEIGHT=weight is not None))
+            [row_stride(x), row_stride(y), m, n, eps], dict(HAS_WEIGHT=weight is not None))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -322,12 +329,14 @@ def launch_backward(
     dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor, dweight: Tensor | None,
     workspace: Tensor | None = None, cfg: KernelConfig | None = None,
 ) -> None:
-    """Write ``dx`` [M, N] and, with a weight, ``dweight`` [N] (``M, N >= 1``).
+    """Write ``dx`` and, with a weight, ``dweight`` [N] (``M, N >= 1``). dy, x and dx are [M, N]
+    or any [..., N] whose rows ``layout.row_stride`` can address; rstd holds M contiguous values.
 
     ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None;
     ``cfg`` overrides the table (for tuning).
     """
-    m, n = x.shape
+    n = x.shape[-1]
+    m = x.numel() // n
     cfg = cfg or backward_config(n, x.dtype)
     groups, rows_per_group = backward_programs(m, n, x.device, cfg)
     has_weight = weight is not None
@@ -336,7 +345,7 @@ def launch_backward(
     _launch(
         _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
         [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-        [dy.stride(0), x.stride(0), dx.stride(0), m, n, rows_per_group],
+        [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
         dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
         pad_rows=rows_per_group,
     )

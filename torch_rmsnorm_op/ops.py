@@ -16,6 +16,7 @@ Triton interpreter even inside compiled graphs (README, "Design").
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -26,10 +27,10 @@ from torch._C._functorch import TransformType, peek_interpreter_stack
 from torch_rmsnorm_op import reference
 from torch_rmsnorm_op.contract import check_backward_args, check_forward_args, check_functional_args
 from torch_rmsnorm_op.fallback import kernel_unsupported_reason, record_fallback, record_kernel
+from torch_rmsnorm_op.layout import row_stride
 
-_ROWS_REASON = "x's rows cannot be addressed with a single row stride"
 
-
+@functools.cache
 def _kernels():
     # Imported on first use: the kernels are defined then, so TRITON_INTERPRET may be
     # set any time before the first call (python -m torch_rmsnorm_op does so without CUDA).
@@ -38,30 +39,14 @@ def _kernels():
     return kernels
 
 
-def _as_rows(t: Tensor) -> Tensor | None:
-    """``t`` viewed as [M, N] with a contiguous last dim and one row stride, else None (no copy)."""
-    n = t.shape[-1]
-    if n > 1 and t.stride(-1) != 1:
-        return None
-    try:
-        return t.view(-1, n)
-    except RuntimeError:
-        return None
-
-
-def _kernel_rows(op: str, x: Tensor, weight: Tensor | None) -> Tensor | None:
-    """x as rows for the kernels, or None after the fallback policy has been applied."""
+def _kernels_serve(op: str, x: Tensor, weight: Tensor | None) -> bool:
+    """Whether the kernels run this call, after the fallback policy has been applied if not."""
     reason = kernel_unsupported_reason(x, weight)
-    rows = None
-    if reason is None and x.shape[-1] > 0:
-        rows = _as_rows(x)
-        if rows is None:
-            reason = _ROWS_REASON
     if reason is not None:
         record_fallback(op, reason)
-        return None
+        return False
     record_kernel(op)
-    return rows
+    return True
 
 
 # ``custom_op`` would register the same kernels behind a Python wrapper of its own (an aliasing
@@ -73,16 +58,15 @@ _LIB.define("bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
-    rows = _kernel_rows("rmsnorm.fwd", x, weight)
-    if rows is None and x.shape[-1] > 0:
+    n = x.shape[-1]
+    if n > 0 and not _kernels_serve("rmsnorm.fwd", x, weight):
         with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
             return reference.rms_norm_forward(x, weight, eps)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype), device=x.device)
-    if rows is None:  # N == 0: nothing to normalize; mean of an empty row is NaN, as in torch
+    if n == 0:  # nothing to normalize; mean of an empty row is NaN, as in torch
         return y, rstd.fill_(math.nan)
-    n = x.shape[-1]
-    _kernels().launch_forward(rows, None if weight is None else weight.contiguous(), eps, y.view(-1, n), rstd.view(-1))
+    _kernels().launch_forward(x, None if weight is None else weight.contiguous(), eps, y, rstd)
     return y, rstd
 
 
@@ -97,21 +81,17 @@ def _(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
 
 def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
-    rows = _kernel_rows("rmsnorm.bwd", x, weight)
-    if rows is None and x.shape[-1] > 0:
+    if x.shape[-1] > 0 and not _kernels_serve("rmsnorm.bwd", x, weight):
         with torch.profiler.record_function("rmsnorm.bwd [reference fallback]"):
             return reference.rms_norm_backward(dy, x, weight, rstd)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=x.device)
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dweight = None if weight is None else torch.empty_like(weight, memory_format=torch.contiguous_format)
     if x.numel() == 0:
         return dx, None if dweight is None else dweight.zero_()
-    n = x.shape[-1]
-    dy_rows = _as_rows(dy)
-    if dy_rows is None:  # e.g. an expanded gradient from .sum().backward(): copy, it is not x
-        dy_rows = dy.contiguous().view(-1, n)
+    if row_stride(dy) is None:  # e.g. an expanded gradient from .sum().backward(): copy, it is not x
+        dy = dy.contiguous()
     _kernels().launch_backward(
-        dy_rows, rows, None if weight is None else weight.contiguous(), rstd.reshape(-1),
-        dx.view(-1, n), dweight,
+        dy, x, None if weight is None else weight.contiguous(), rstd.contiguous(), dx, dweight
     )
     return dx, dweight
 
