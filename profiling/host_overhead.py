@@ -79,7 +79,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "key by hand": lambda: own_key(full),
         "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
     }
-    return {name: round(call_us(fn, calls=1000), 2) for name, fn in calls.items()}
+    return {name: round(call_us(fn, calls=300), 2) for name, fn in calls.items()}
 
 
 def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
@@ -97,7 +97,7 @@ def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
             compiled = torch.compile(lambda x, fn=fn, w=w: fn(x, (n,), w, EPS), mode="reduce-overhead")
             label = f"{name}{', static input' if static else ''}"
             call = lambda compiled=compiled, x=x: compiled(x)  # noqa: E731
-            wall = call_us(call, calls=500)  # under no_grad
+            wall = call_us(call, calls=200)  # under no_grad
             with torch.no_grad():  # the same graph
                 gpu = gpu_us(call, 20, 5)
             out[label] = {"call_us": round(wall, 2), "gpu_us": round(gpu, 2),
@@ -108,7 +108,7 @@ def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     T.rms_norm(x, (n,), w, EPS)
     with torch.cuda.graph(graph):
         T.rms_norm(x, (n,), w, EPS)
-    out["torch.cuda.CUDAGraph.replay (ours captured)"] = {"call_us": round(call_us(graph.replay, calls=500), 2)}
+    out["torch.cuda.CUDAGraph.replay (ours captured)"] = {"call_us": round(call_us(graph.replay, calls=200), 2)}
     return out
 
 

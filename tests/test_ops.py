@@ -193,6 +193,22 @@ def test_single_pass_backward_loop_forms_agree(device):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tensors_off_the_current_device():
+    """Triton launches on the current device: the launchers must switch to the tensors' own."""
+    x = torch.randn(64, 1024, device="cuda:1", requires_grad=True)
+    w = torch.randn(1024, device="cuda:1", requires_grad=True)
+    with torch.cuda.device(0):
+        y = T.rms_norm(x, (1024,), w)
+        y.square().sum().backward()
+    x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    torch.nn.functional.rms_norm(x2, (1024,), w2).square().sum().backward()
+    torch.testing.assert_close(y.double(), torch.nn.functional.rms_norm(x2, (1024,), w2), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(x.grad.double(), x2.grad, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("splits", [1, 3, 7])
 def test_dweight_reduction_stages(device, splits):
     """The dweight reduction, one stage or two (a ragged last split, columns past a tile):

@@ -18,10 +18,10 @@ import torch
 # programs sends that N to the fallback policy (fallback.kernel_unsupported_reason).
 MAX_N = 1 << 20
 
-# The ladders below were chosen on the H200 (bf16, M*N = 128 Mi elements, launcher GPU
+# The ladders below were chosen on the H200 (bf16 unless marked, x of 256 MiB, launcher GPU
 # time, % of the copy ceiling measured in the same run) by profiling/tune.py:
-# profiling/results/2026-11-29-h200-tune/tune.json, revisited in -tune2 (its --near runs);
-# profiling/NOTES.md keeps every variant's numbers.
+# profiling/results/2026-11-29-h200-tune/tune.json, revisited in -tune2 and -tune3 (their
+# --near runs); profiling/NOTES.md keeps every variant's numbers.
 #
 # Forward, single-pass (whole rows in registers): (max N, elements per program, warps).
 FWD_LADDER = (
@@ -35,16 +35,22 @@ FWD_LADDER = (
 # 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%).
 FWD_SPLIT = (8192, 8)
 # Backward, single-pass: (max N, elements per program, warps, programs per SM, counted loop).
+# The loop form (kernels._rms_norm_bwd) moved results by 5-20 points either way, by N and dtype.
 BWD_LADDER = (
     (256, 8192, 4, 4, False),  # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3)
     (1024, 4096, 4, 8, False),  # N=1024: 82.1% (4 per SM: 80.2% in -tune, 70.4% in -tune2)
     (4096, 16384, 16, 2, False),  # 84.4% (86.7% in -tune2)
     (8192, 16384, 16, 1, False),  # 86.8%
-    (16384, 16384, 16, 1, True),  # 80.4% (75.5% not counted, -tune3; split 2 x 8192: below 70%)
+    (16384, 16384, 16, 1, True),  # 80.4%, 78.7% (75.5%, 76.8% not counted; -tune3)
 )
-# 4-byte dtypes: elements per program where a rung's figure is not the best for them
-# (N = 1024: 8 rows 90.0%, 4 rows 86.5%; -tune3).
-BWD_FP32_ELEMENTS = {1024: 8192}
+# The same for 4-byte dtypes (fp32), where the bf16 rungs were not the best (-tune3).
+BWD_LADDER_FP32 = (
+    (256, 8192, 8, 4, False),  # N=256: 87.3% (4 warps 65.6%)
+    (1024, 8192, 4, 8, False),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%)
+    (4096, 16384, 16, 2, False),
+    (8192, 16384, 16, 1, False),
+    (16384, 16384, 16, 1, False),  # 83.1% (counted 73.7%)
+)
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
 # The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
 # reached 56.1% at N=32768, 53.1% at 65536, 49.5% at 262144 (bf16), against 53.1%, 51.5%,
@@ -91,12 +97,11 @@ class KernelConfig:
     counted_loop: bool = False
 
 
-def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int,
-            elements_for: dict | None = None) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, *backward in ladder:
         if n <= max_n:
-            rows = max(1, (elements_for or {}).get(max_n, elements) // block)
+            rows = max(1, elements // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, *backward)
@@ -114,7 +119,7 @@ def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
     if dtype.itemsize == 4:
-        return _config(n, BWD_LADDER, *BWD_SPLIT_FP32, BWD_FP32_ELEMENTS)
+        return _config(n, BWD_LADDER_FP32, *BWD_SPLIT_FP32)
     return _config(n, BWD_LADDER, *BWD_SPLIT)
 
 
