@@ -3,8 +3,9 @@
 Times the launchers directly (GPU time, ``triton.testing.do_bench`` median, after
 a correctness check against the float64 reference), x of 256 MiB as in the
 benchmark. ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
-table's neighbours (``profiling/host_overhead.py`` breaks down the host cost of a call).
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near]``;
+table's neighbours, ``--table`` only the table's config (to compare kernel variants);
+``profiling/host_overhead.py`` breaks down the host cost of a call.
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table]``;
 writes ``DIR/<tag>.json``.
 """
 
@@ -79,7 +80,9 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3  # us
 
 
-def tune(pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float) -> list[dict]:
+def tune(
+    pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False
+) -> list[dict]:
     """Time the table's config and the candidates for one (pass, N, dtype); best first."""
     elem = dtype.itemsize
     m = BYTES // (n * elem)
@@ -92,7 +95,12 @@ def tune(pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float
     dx_ref, dw_ref = reference.rms_norm_backward(dy[:64].double(), x[:64].double(), w.double(), rstd_ref)
     backward = pass_name == "bwd"
     table = (backward_config if backward else forward_config)(n, dtype)
-    cands = neighbours(table, backward) if near else (bwd_candidates(n) if backward else fwd_candidates(n))
+    if only_table:
+        cands = []
+    elif near:
+        cands = neighbours(table, backward)
+    else:
+        cands = bwd_candidates(n) if backward else fwd_candidates(n)
     kernels.launch_forward(x, w, 1e-6, y, rstd)
     rows = []
     for cfg in [table] + [c for c in cands if c != table]:
@@ -150,6 +158,7 @@ def main():
         help="comma-separated pass:dtype:N (pass fwd or bwd)",
     )
     p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
+    p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
     p.add_argument("--tag", default="tune", help="output file stem")
     args = p.parse_args()
     src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
@@ -165,7 +174,7 @@ def main():
     }
     for job in args.jobs.split(","):
         pass_name, dtype, n = job.split(":")
-        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs)
+        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
 

@@ -20,6 +20,24 @@ VARIANTS = {
     tl.atomic_add(COUNTER, 0, sem="acquire")
 """,
     ),
+    # Streaming hint on the single-pass forward's x load (x is read once; Inductor's kernels
+    # mark such loads).
+    "evict_first_fwd": (
+        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = _rstd(""",
+        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        rstd = _rstd(""",
+    ),
+    # The same on the single-pass backward's x and dy loads.
+    "evict_first_bwd": (
+        """            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)""",
+        """            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)""",
+    ),
 }
 
 name, revert = sys.argv[1], "--revert" in sys.argv
