@@ -10,7 +10,8 @@ time and GPU time per call, with and without ``mark_static_address`` on the inpu
 and the cudagraph skip counter. Then a cProfile of the eager call.
 
 Run: ``python profiling/host_overhead.py --out DIR`` (writes ``DIR/host_overhead.json``
-and ``DIR/host_overhead_profile.txt``).
+and ``DIR/host_overhead_profile.txt``). ``TRITON_INTERPRET=1 python profiling/host_overhead.py
+--cpu`` prints the op's own host time on CPU, the launcher replaced by a no-op.
 """
 
 from __future__ import annotations
@@ -112,10 +113,26 @@ def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     return out
 
 
+def cpu_op_cost() -> dict:
+    """The op's own host time without a kernel: CPU tensors, the launcher replaced by a no-op
+    (run with ``TRITON_INTERPRET=1``); comparable across commits on one machine."""
+    kernels.launch_forward = lambda *args, **kwargs: None
+    x, w = torch.randn(128, 257), torch.randn(257)
+    calls = {
+        "torch_rmsnorm_op.rms_norm": lambda: T.rms_norm(x, (257,), w, EPS),
+        "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
+    }
+    return {name: round(call_us(fn, calls=2000), 2) for name, fn in calls.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
+    p.add_argument("--cpu", action="store_true", help="only the op's own host time on CPU (no kernel)")
     args = p.parse_args()
+    if args.cpu:
+        print(json.dumps(cpu_op_cost()))
+        return
     os.makedirs(args.out, exist_ok=True)
     T.set_fallback_policy("error")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

@@ -97,7 +97,7 @@ def test_export_and_aoti_package(tmp_path):
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
         text = "".join(z.read(n).decode(errors="ignore") for n in names if n.endswith((".cpp", ".json", ".py")))
-    assert "rmsnorm" in text  # the op is called back through the proxy executor (custom_op: no kernel inside)
+    assert "rmsnorm" in text  # the op is called back through the proxy executor (a Python op: no kernel inside)
     torch.save(tokens.cpu(), tmp_path / "tokens.pt")
     torch.save(patched(tokens).detach().cpu(), tmp_path / "want.pt")
     code = (
