@@ -29,6 +29,8 @@ into the outputs they are given; ``ops.py`` allocates and validates.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -266,14 +268,17 @@ if is_interpreted():
     _squeeze_interpreter_loop_bounds()
 
 
+def _on(device: torch.device):
+    """Triton launches on the current CUDA device: switch to the tensors' own where it differs."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
             meta: dict, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
     barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        # Triton launches on the current device; the tensors' device may be another one.
-        with torch.cuda.device(device):
-            return _launch(kernel, grid, m, device, cfg, before, after, meta, pad_rows)
     meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps)
     if cfg.split == 1:
         kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
@@ -299,8 +304,9 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
         return
     cfg = cfg or forward_config(n, x.dtype)
     grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
-    _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-            [row_stride(x), row_stride(y), m, n, eps], dict(HAS_WEIGHT=weight is not None))
+    with _on(x.device):
+        _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
+                [row_stride(x), row_stride(y), m, n, eps], dict(HAS_WEIGHT=weight is not None))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -316,13 +322,14 @@ def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) 
     stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows)."""
     p, n = partial.shape
     tiles = cdiv(n, REDUCE_BLOCK_N)
-    if mid is not None and mid.shape[0] > 1:
-        splits = mid.shape[0]
-        _rms_norm_dw_reduce[(tiles, splits)](
-            partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
-        )
-        partial, p = mid, splits
-    _rms_norm_dw_reduce[(tiles, 1)](partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+    with _on(partial.device):
+        if mid is not None and mid.shape[0] > 1:
+            splits = mid.shape[0]
+            _rms_norm_dw_reduce[(tiles, splits)](
+                partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
+            )
+            partial, p = mid, splits
+        _rms_norm_dw_reduce[(tiles, 1)](partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
 
 
 def launch_backward(
@@ -342,12 +349,13 @@ def launch_backward(
     has_weight = weight is not None
     if has_weight and workspace is None:
         workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
-    _launch(
-        _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
-        [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-        [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
-        dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
-        pad_rows=rows_per_group,
-    )
+    with _on(x.device):
+        _launch(
+            _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
+            [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
+            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
+            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
+            pad_rows=rows_per_group,
+        )
     if has_weight:
         reduce_dweight(workspace[:groups], dweight, workspace[groups:])

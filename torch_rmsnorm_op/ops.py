@@ -1,10 +1,11 @@
 """The ops ``torch.ops.rmsnorm.fwd`` / ``torch.ops.rmsnorm.bwd``: schema, fake, autograd, functional.
 
-Defined with ``torch.library`` (a ``Library`` with ``define``/``impl``,
+Defined with ``torch.library`` (a ``Library`` with ``define``/``impl``, then
 ``register_fake``, ``register_autograd``, ``register_vmap``, ``register_autocast``):
-under ``torch.compile`` each op is one opaque call, so the fallback policy and the dispatch counters act at run
-time, exactly as in eager mode, and CPU tensors run the kernels through the
-Triton interpreter even inside compiled graphs (README, "Design").
+under ``torch.compile`` each op is one opaque call, so the fallback policy and the
+dispatch counters act at run time, exactly as in eager mode, and CPU tensors run
+the kernels through the Triton interpreter even inside compiled graphs (README,
+"Design").
 
     fwd(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)
     bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)
