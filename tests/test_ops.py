@@ -238,17 +238,6 @@ def test_reduce_splits_cover_every_partial_row():
             assert 1 <= s <= p and (s - 1) * rows < p <= s * rows, (p, n, s)
 
 
-def test_offsets_widen_to_64_bits_at_2_to_the_31():
-    """The launchers pick 32-bit offsets only below 2**31 elements (the interpreter does not
-    wrap 32-bit integers, so the CUDA tests below are the ones that would see a wrong pick)."""
-    from torch_rmsnorm_op.kernels import _wide
-
-    assert not _wide(2, 64, 2**30 - 33)  # largest offset reach 2 * (2**30 - 33) + 64 = 2**31 - 2
-    assert _wide(2, 64, 2**30 - 32)  # 2**31
-    assert not _wide(2**20, 1024, 1024, 2048 - 1)
-    assert _wide(2**20, 1024, 1024, 2048)  # the largest of the strides counts
-
-
 def test_row_stride_past_2_to_the_31(device):
     """Rows 2**31 elements apart (a strided view into a lazily allocated 4 GiB buffer): a row
     offset truncated to 32 bits would wrap onto other memory."""

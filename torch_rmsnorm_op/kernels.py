@@ -6,8 +6,7 @@ Math (``reference.py`` is the oracle), per row ``x`` of length ``N``::
     u = dy * w,  c = mean(u * x)                 dx = rstd * (u - x * rstd**2 * c)
     dw = sum over rows of dy * x * rstd
 
-All arithmetic is fp32; offsets are 64-bit where they can reach 2**31 elements (``WIDE``),
-32-bit otherwise; rows may be strided (last dim
+All arithmetic is fp32; offsets are 64-bit; rows may be strided (last dim
 contiguous, any row stride). x is read once in both directions:
 
 - single-pass mode (``SPLIT == 1``): a program holds ``ROWS`` whole rows in
@@ -56,15 +55,6 @@ def _rstd(sum_sq, n, eps):
 
 
 @triton.jit
-def _program_id(WIDE: tl.constexpr):
-    """This program's id, 64-bit when offsets can pass 2**31 elements (else 32-bit arithmetic)."""
-    pid = tl.program_id(0)
-    if WIDE:
-        pid = pid.to(tl.int64)
-    return pid
-
-
-@triton.jit
 def _arrive_and_wait(COUNTER, expected):
     """Barrier for the SPLIT programs of one row. The launcher numbers a row's programs
     consecutively and blocks start in id order, so all of them get to run."""
@@ -106,10 +96,9 @@ def _rms_norm_fwd(
     HAS_WEIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
-    WIDE: tl.constexpr,  # 64-bit offsets (some offset can reach 2**31 elements)
 ):
     if SPLIT == 1:
-        rows = _program_id(WIDE) * ROWS + tl.arange(0, ROWS)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
         cols = tl.arange(0, BLOCK_N)
         mask = row_mask[:, None] & (cols[None, :] < N)
@@ -122,7 +111,7 @@ def _rms_norm_fwd(
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
-        pid = _program_id(WIDE)
+        pid = tl.program_id(0).to(tl.int64)
         row = pid // SPLIT
         chunk = pid % SPLIT
         cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,10 +149,9 @@ def _rms_norm_bwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
-    WIDE: tl.constexpr,  # 64-bit offsets (some offset can reach 2**31 elements)
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
-    pid = _program_id(WIDE)
+    pid = tl.program_id(0).to(tl.int64)
     group = pid // SPLIT
     chunk = pid % SPLIT
     row_start = group * rows_per_group
@@ -287,12 +275,6 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
-def _wide(rows: int, n: int, *strides: int) -> bool:
-    """Whether element offsets can reach 2**31 over ``rows`` rows (masked ones included) of
-    ``n`` columns at these row strides: then the kernels compute offsets in 64 bits."""
-    return rows * max(strides) + n >= 2**31
-
-
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
             meta: dict, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
@@ -322,10 +304,9 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
         return
     cfg = cfg or forward_config(n, x.dtype)
     grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
-    sx, sy = row_stride(x), row_stride(y)
     with _on(x.device):
         _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-                [sx, sy, m, n, eps], dict(HAS_WEIGHT=weight is not None, WIDE=_wide(m + cfg.rows, n, sx, sy)))
+                [row_stride(x), row_stride(y), m, n, eps], dict(HAS_WEIGHT=weight is not None))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -368,14 +349,12 @@ def launch_backward(
     has_weight = weight is not None
     if has_weight and workspace is None:
         workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
-    strides = (row_stride(dy), row_stride(x), row_stride(dx))
-    wide = _wide(m + rows_per_group + cfg.rows, n, *strides)  # phantom rows and masked tiles too
     with _on(x.device):
         _launch(
             _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
             [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-            [*strides, m, n, rows_per_group],
-            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop, WIDE=wide),
+            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
+            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
             pad_rows=rows_per_group,
         )
     if has_weight:

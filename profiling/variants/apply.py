@@ -38,13 +38,6 @@ VARIANTS = {
             dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
                          eviction_policy="evict_first").to(tl.float32)""",
     ),
-    # 64-bit offsets always (as before the WIDE switch), to measure what 32-bit offsets gain.
-    "always_wide": (
-        """    return rows * max(strides) + n >= 2**31
-""",
-        """    return True
-""",
-    ),
 }
 
 name, revert = sys.argv[1], "--revert" in sys.argv
