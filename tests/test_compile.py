@@ -1,6 +1,5 @@
 """torch.compile: no graph breaks, the ops in the AOT forward/backward graphs, Inductor's code."""
 
-import expecttest
 import pytest
 import torch
 from functorch.compile import make_boxed_func
@@ -9,6 +8,9 @@ from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
 import torch_rmsnorm_op as T
+
+# A machine without a package index may lack it (the README's second command installs it).
+expecttest = pytest.importorskip("expecttest", reason="expecttest is not installed here")
 
 
 def _norm(x, w):
