@@ -31,7 +31,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import kernels  # noqa: E402
-from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, gpu_us  # noqa: E402
+from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, cuda_graph, gpu_us  # noqa: E402
 from torch_rmsnorm_op.config import forward_config  # noqa: E402
 
 
@@ -103,12 +103,9 @@ def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
                 gpu = gpu_us(call, 20, 5)
             out[label] = {"call_us": round(wall, 2), "gpu_us": round(gpu, 2),
                           "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
-    graph = torch.cuda.CUDAGraph()
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
-    T.rms_norm(x, (n,), w, EPS)
-    with torch.cuda.graph(graph):
-        T.rms_norm(x, (n,), w, EPS)
+    graph = cuda_graph(lambda: T.rms_norm(x, (n,), w, EPS))
     out["torch.cuda.CUDAGraph.replay (ours captured)"] = {"call_us": round(call_us(graph.replay, calls=200), 2)}
     return out
 
