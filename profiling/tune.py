@@ -56,8 +56,18 @@ def bwd_candidates(n):
     return out
 
 
-def neighbours(cfg: KernelConfig, backward: bool) -> list[KernelConfig]:
-    """The table's config with one parameter halved or doubled at a time (``--near``)."""
+def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
+    """The table's config with one parameter halved or doubled at a time (``--near``), and the
+    other forward forms for its N."""
+    if cfg.looped:  # warps and columns per step; the whole row in registers; split mode
+        row = triton.next_power_of_2(n)
+        out = [dataclasses.replace(cfg, num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2) if 1 <= w <= 32]
+        out += [dataclasses.replace(cfg, block_n=b) for b in (cfg.block_n // 2, cfg.block_n * 2)
+                if cfg.num_warps * 32 * 4 <= b <= row]
+        out += [KernelConfig(row, 1, w) for w in (8, 16, 32) if row <= 32768]
+        if row >= 32768:
+            out.append(KernelConfig(8192, 1, 8, split=row // 8192))
+        return out
     fields = ["num_warps"] + (["rows"] if cfg.split == 1 else []) + (["programs_per_sm"] if backward else [])
     out = [
         dataclasses.replace(cfg, **{f: v})
@@ -65,10 +75,17 @@ def neighbours(cfg: KernelConfig, backward: bool) -> list[KernelConfig]:
         for v in (getattr(cfg, f) // 2, getattr(cfg, f) * 2)
         if 1 <= v <= 32
     ]
-    if backward and cfg.split == 1:  # the other row-loop form
+    if backward and cfg.split == 1:  # the other row-loop form; x and dy read once more or once less
         out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
+        out += [dataclasses.replace(cfg, reload=not cfg.reload, num_warps=w)
+                for w in (cfg.num_warps, cfg.num_warps * 2) if w <= 32]
     if cfg.split > 1 and cfg.block_n * cfg.split <= 65536:  # the whole row in one program
-        out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm) for w in (16, 32)]
+        out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm, reload=r)
+                for w in (16, 32) for r in ((False, True) if backward else (False,))]
+    row = cfg.block_n * cfg.split
+    if not backward and row >= 8192:  # one row per program, two passes over x (Inductor's loop)
+        out += [KernelConfig(b, 1, w, looped=True) for b in (2048, 4096, 8192, row) for w in (8, 16, 32)
+                if b <= row and w * 32 * 4 <= b]
     if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
         out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2))
         if cfg.split > 1:
@@ -98,7 +115,7 @@ def tune(
     if only_table:
         cands = []
     elif near:
-        cands = neighbours(table, backward)
+        cands = neighbours(table, backward, n)
     else:
         cands = bwd_candidates(n) if backward else fwd_candidates(n)
     kernels.launch_forward(x, w, 1e-6, y, rstd)

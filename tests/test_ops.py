@@ -1,5 +1,7 @@
 """The ops themselves: opcheck, output metadata, edge shapes, layouts, determinism."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -170,9 +172,12 @@ def test_split_backward_with_a_ragged_last_group(device):
     torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
-def test_single_pass_backward_loop_forms_agree(device):
-    """Both row-loop forms of the single-pass backward (``KernelConfig.counted_loop``), with a
-    ragged last group and a ragged last tile: the reference's values, the same bits."""
+def test_single_pass_backward_forms_agree(device):
+    """Both row-loop forms of the single-pass backward (``KernelConfig.counted_loop``), each
+    with and without the second read of x and dy (``reload``), with a ragged last group and a
+    ragged last tile: the reference's values; the same bits from both loop forms. (With and
+    without the reload, the compiler fuses multiply-adds differently: on the H200 the bits
+    differed, within the tolerance.)"""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, backward_programs
 
@@ -180,17 +185,36 @@ def test_single_pass_backward_loop_forms_agree(device):
     x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
     _, rstd = reference.rms_norm_forward(x, None, 1e-6)
     dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
-    outs = []
-    for counted in (False, True):
-        cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted)
+    outs = {}
+    for counted, reload in itertools.product((False, True), (False, True)):
+        cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted, reload=reload)
         groups, per_group = backward_programs(m, n, torch.device(device), cfg)
         assert groups >= 2 and m % per_group % cfg.rows != 0, (groups, per_group)  # last group, tile ragged
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
         kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
         torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
-        outs.append((dx, dw))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        outs[counted, reload] = dx, dw
+    for reload in (False, True):
+        (dx, dw), (dx_counted, dw_counted) = outs[False, reload], outs[True, reload]
+        assert torch.equal(dx, dx_counted) and torch.equal(dw, dw_counted)
+
+
+@pytest.mark.parametrize("has_weight", [True, False])
+def test_looped_forward(device, has_weight):
+    """The looped forward (``KernelConfig.looped``: one row per program, x read twice in
+    ``block_n`` steps), a ragged last step, strided rows: the reference's values."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig
+
+    m, n = 5, 300  # steps of 128: 128, 128, 44
+    x = torch.randn(m, n + 20, device=device)[:, :n]
+    w = torch.randn(n, device=device) if has_weight else None
+    y, rstd = torch.full((m, n), float("nan"), device=device), torch.full((m,), float("nan"), device=device)
+    kernels.launch_forward(x, w, 1e-6, y, rstd, KernelConfig(block_n=128, rows=1, num_warps=1, looped=True))
+    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.cuda

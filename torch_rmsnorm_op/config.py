@@ -23,33 +23,47 @@ MAX_N = 1 << 20
 # profiling/results/2026-11-29-h200-tune/tune.json, revisited in -tune2 and -tune3 (their
 # --near runs); profiling/NOTES.md keeps every variant's numbers.
 #
-# Forward, single-pass (whole rows in registers): (max N, elements per program, warps).
+# Forward: (max N, elements per program, warps, options). Single-pass (whole rows in
+# registers), or looped (``looped``: one row per program, elements = columns per step, x read
+# twice, the second time from cache: Inductor's loop; -tune4).
 FWD_LADDER = (
-    (1024, 4096, 8),  # N=1024: 4 rows/program 95.7%
-    (4096, 16384, 8),  # N=4096: 4 rows 94.2% (1 row 93.1%)
-    (8192, 16384, 4),  # N=8192: 2 rows 95.3% (8 warps 93.4%)
-    (16384, 16384, 8),  # 94.0% (16 warps 91.9%)
-    (32768, 32768, 16),  # 90.2% (split 4 x 8192: 75.5%)
+    (1024, 4096, 8, {}),  # N=1024: 4 rows/program 95.7%
+    (4096, 16384, 8, {}),  # N=4096: 4 rows 94.2% (1 row 93.1%)
+    (8192, 8192, 16, dict(looped=True)),  # 97.6% (single-pass 2 rows x 4 warps 92.9%)
+    (16384, 8192, 16, dict(looped=True)),  # 94.8% (single-pass 8 warps 93.4%)
+    (32768, 8192, 32, dict(looped=True)),  # 95.9% (single-pass 16 warps 89.3%; split 4 x 8192 75.5%)
+    (65536, 8192, 32, dict(looped=True)),  # 77.5% (split 8 x 8192 72.2%); N=262144: split 69.8%, looped 61.3%
+)
+# The same for 4-byte dtypes (fp32), where 16 warps were not enough (-tune4).
+FWD_LADDER_FP32 = (
+    (1024, 4096, 8, {}),
+    (4096, 16384, 8, {}),
+    (8192, 8192, 16, dict(looped=True)),
+    (16384, 8192, 32, dict(looped=True)),  # 95.5% (16 warps 88.0%; single-pass 8 warps 92.2%)
+    (32768, 8192, 32, dict(looped=True)),
 )
 # Forward beyond the ladder, split mode: (columns per program, warps).
-# 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%).
+# 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%). fp32 takes split mode
+# from N=65536 on (80.9% there; looped fp32 not measured at that N).
 FWD_SPLIT = (8192, 8)
-# Backward, single-pass: (max N, elements per program, warps, programs per SM, counted loop).
-# The loop form (kernels._rms_norm_bwd) moved results by up to 12 points either way, by N and dtype.
+# Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
+# row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
+# either way, by N and dtype).
 BWD_LADDER = (
-    (256, 8192, 4, 4, False),  # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3)
-    (1024, 4096, 4, 8, False),  # N=1024: 87.6% in -tune3 (82.1% in -tune2; 4 per SM 84.5%)
-    (4096, 16384, 16, 2, False),  # 86.9% in -tune3 (84.4% in -tune, 86.7% in -tune2)
-    (8192, 16384, 16, 1, False),  # 86.9% in -tune3 (counted 75.0%)
-    (16384, 16384, 16, 1, True),  # 80.4%, 78.7% (75.5%, 76.8% not counted; -tune3)
+    (256, 8192, 4, dict(programs_per_sm=4)),  # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3)
+    (1024, 4096, 4, dict(programs_per_sm=8)),  # N=1024: 87.6% in -tune3 (82.1% in -tune2; 4 per SM 84.5%)
+    (4096, 16384, 16, dict(programs_per_sm=2)),  # 86.9% in -tune3 (84.4% in -tune, 86.7% in -tune2)
+    (8192, 16384, 16, {}),  # 86.9% in -tune3 (counted 75.0%)
+    # N=16384: 82.0% reading x and dy twice (-tune4; once: 80.4%, 78.7%, 80.3%; not counted 75.5%, 76.8%)
+    (16384, 16384, 16, dict(counted_loop=True, reload=True)),
 )
 # The same for 4-byte dtypes (fp32), where the bf16 rungs were not the best (-tune3).
 BWD_LADDER_FP32 = (
-    (256, 8192, 8, 4, False),  # N=256: 87.3% (4 warps 65.6%)
-    (1024, 8192, 4, 8, False),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%)
-    (4096, 16384, 16, 2, False),  # 88.3% (counted 88.7%, a tie)
-    (8192, 16384, 16, 1, False),  # 87.7% (1 row: 88.0%, a tie)
-    (16384, 16384, 16, 1, False),  # 83.1% (counted 73.7%)
+    (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%)
+    (1024, 8192, 4, dict(programs_per_sm=8)),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%)
+    (4096, 16384, 16, dict(programs_per_sm=2)),  # 88.3% (counted 88.7%, a tie)
+    (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie)
+    (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
 # The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
@@ -87,7 +101,9 @@ class KernelConfig:
     """One launch shape: ``rows`` rows of ``block_n`` columns per program, or, with
     ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns.
     ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch);
-    ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``)."""
+    ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
+    ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice;
+    ``reload`` (single-pass backward) reads x and dy again after the row sum."""
 
     block_n: int
     rows: int
@@ -95,16 +111,20 @@ class KernelConfig:
     split: int = 1
     programs_per_sm: int = 1
     counted_loop: bool = False
+    looped: bool = False
+    reload: bool = False
 
 
 def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
     block = next_power_of_2(n)
-    for max_n, elements, warps, *backward in ladder:
+    for max_n, elements, warps, options in ladder:
         if n <= max_n:
+            if options.get("looped"):
+                block = min(block, elements)
             rows = max(1, elements // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
-            return KernelConfig(block, rows, warps, 1, *backward)
+            return KernelConfig(block, rows, warps, 1, **options)
     split = next_power_of_2(cdiv(n, split_block))
     return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps)
 
@@ -112,7 +132,7 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
 @functools.cache
 def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
-    return _config(n, FWD_LADDER, *FWD_SPLIT, 1)
+    return _config(n, FWD_LADDER_FP32 if dtype.itemsize == 4 else FWD_LADDER, *FWD_SPLIT, 1)
 
 
 @functools.cache

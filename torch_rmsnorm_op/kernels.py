@@ -55,6 +55,11 @@ def _rstd(sum_sq, n, eps):
 
 
 @triton.jit
+def _load_rows(ptrs, mask, POLICY: tl.constexpr):
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+
+
+@triton.jit
 def _arrive_and_wait(COUNTER, expected):
     """Barrier for the SPLIT programs of one row. The launcher numbers a row's programs
     consecutively and blocks start in id order, so all of them get to run."""
@@ -96,8 +101,28 @@ def _rms_norm_fwd(
     HAS_WEIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
+    LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
 ):
-    if SPLIT == 1:
+    if LOOPED:
+        # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
+        row = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+            x = x.to(tl.float32)
+            acc += x * x
+        rstd = _rstd(tl.sum(acc, axis=0), N, eps)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            y = x.to(tl.float32) * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(RSTD + row, rstd)
+    elif SPLIT == 1:
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
         cols = tl.arange(0, BLOCK_N)
@@ -149,6 +174,7 @@ def _rms_norm_bwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
+    RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -171,14 +197,26 @@ def _rms_norm_bwd(
         for first in range(loop_start, loop_end, ROWS):
             rows = base + first + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x_ptrs = X + rows[:, None] * stride_x + cols[None, :]
+            dy_ptrs = DY + rows[:, None] * stride_dy + cols[None, :]
+            x = _load_rows(x_ptrs, mask, "evict_last" if RELOAD else "")
+            dy = _load_rows(dy_ptrs, mask, "evict_last" if RELOAD else "")
             rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
             u = dy
             if HAS_WEIGHT:
                 u = dy * w[None, :]
-                dw_acc += dy * x * rstd[:, None]
+                if not RELOAD:
+                    dw_acc += dy * x * rstd[:, None]
             c = tl.sum(u * x, axis=1) / N
+            if RELOAD:
+                # Rather than keep x and dy in registers across the row sum (Inductor's loops do
+                # the same); another eviction policy, so the compiler cannot merge the loads.
+                x = _load_rows(x_ptrs, mask, "evict_first")
+                dy = _load_rows(dy_ptrs, mask, "evict_first")
+                u = dy
+                if HAS_WEIGHT:
+                    u = dy * w[None, :]
+                    dw_acc += dy * x * rstd[:, None]
             dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
@@ -306,7 +344,8 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
     with _on(x.device):
         _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-                [row_stride(x), row_stride(y), m, n, eps], dict(HAS_WEIGHT=weight is not None))
+                [row_stride(x), row_stride(y), m, n, eps],
+                dict(HAS_WEIGHT=weight is not None, LOOPED=cfg.looped))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -354,7 +393,7 @@ def launch_backward(
             _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
             [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
             [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
-            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop),
+            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload),
             pad_rows=rows_per_group,
         )
     if has_weight:
