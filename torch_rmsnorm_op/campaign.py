@@ -33,7 +33,7 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 DTYPES = tuple(TOLERANCES)
 MS = (1, 17)
 NS = (1, 7, 256, 257, 1000, 4096, 4097)
-LARGE_N_CPU = 32771  # split mode (N > 32768 forward, > 16384 backward), odd length; interpreter-sized
+LARGE_N_CPU = 32771  # looped forward (2-byte dtypes), split mode (fp32 forward, backward); odd length
 LARGE_N_GPU = 262144
 
 
