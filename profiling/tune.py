@@ -87,7 +87,7 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
         out += [KernelConfig(b, 1, w, looped=True) for b in (2048, 4096, 8192, row) for w in (8, 16, 32)
                 if b <= row and w * 32 * 4 <= b]
     if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
-        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2))
+        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2, reload=False))
         if cfg.split > 1:
             out.append(dataclasses.replace(cfg, block_n=cfg.block_n * 2, split=cfg.split // 2))
     return out

@@ -200,6 +200,17 @@ def test_single_pass_backward_forms_agree(device):
         assert torch.equal(dx, dx_counted) and torch.equal(dw, dw_counted)
 
 
+def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
+    from torch_rmsnorm_op.config import KernelConfig
+
+    with pytest.raises(ValueError, match="looped needs rows == 1 and split == 1"):
+        KernelConfig(block_n=4096, rows=1, num_warps=16, split=2, looped=True)
+    with pytest.raises(ValueError, match="looped needs rows == 1"):
+        KernelConfig(block_n=4096, rows=2, num_warps=16, looped=True)
+    with pytest.raises(ValueError, match="reload is single-pass only"):
+        KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
+
+
 @pytest.mark.parametrize("has_weight", [True, False])
 def test_looped_forward(device, has_weight):
     """The looped forward (``KernelConfig.looped``: one row per program, x read twice in

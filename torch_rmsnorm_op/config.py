@@ -117,6 +117,13 @@ class KernelConfig:
     looped: bool = False
     reload: bool = False
 
+    def __post_init__(self) -> None:
+        # The kernels would read outside the tensors, not fail, given these.
+        if self.looped and (self.rows != 1 or self.split != 1):
+            raise ValueError(f"KernelConfig: looped needs rows == 1 and split == 1, got {self}")
+        if self.reload and self.split != 1:
+            raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
+
 
 def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
     block = next_power_of_2(n)
