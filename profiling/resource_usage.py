@@ -59,7 +59,7 @@ def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig) -> tup
     consts = constexprs(backward, cfg)
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
-                              options={"num_warps": cfg.num_warps})
+                              options={"num_warps": cfg.num_warps, **kernels.COMPILE_OPTIONS})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

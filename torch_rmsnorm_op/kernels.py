@@ -306,6 +306,12 @@ if is_interpreted():
     _squeeze_interpreter_loop_bounds()
 
 
+# Fused multiply-adds on, stated rather than left to Triton's default, which Triton 3.9 warns
+# will change in 3.10: the kernels' rounding (and bits) must not move with it. Inductor also
+# sets it explicitly.
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
+
+
 def _on(device: torch.device):
     """Triton launches on the current CUDA device: switch to the tensors' own where it differs."""
     if device.type == "cuda" and device.index != torch.cuda.current_device():
@@ -317,7 +323,7 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
             meta: dict, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
     barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
-    meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps)
+    meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps, **COMPILE_OPTIONS)
     if cfg.split == 1:
         kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
         return
@@ -365,10 +371,12 @@ def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) 
         if mid is not None and mid.shape[0] > 1:
             splits = mid.shape[0]
             _rms_norm_dw_reduce[(tiles, splits)](
-                partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N,
+                partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, **COMPILE_OPTIONS,
             )
             partial, p = mid, splits
-        _rms_norm_dw_reduce[(tiles, 1)](partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+        _rms_norm_dw_reduce[(tiles, 1)](
+            partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, **COMPILE_OPTIONS
+        )
 
 
 def launch_backward(
