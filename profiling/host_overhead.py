@@ -57,7 +57,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     grid = triton.cdiv(m, cfg.rows)
     meta = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=True, SPLIT=1, PHASE=0, LOOPED=False)
     args = [x, w, y, rstd, x, x, x.stride(0), y.stride(0), m, n, EPS]
-    compiled = kernels._rms_norm_fwd[(grid,)](*args, **meta, num_warps=cfg.num_warps)
+    compiled = kernels._rms_norm_fwd[(grid,)](*args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS)
     full = args + list(meta.values())  # the compiled launcher takes every argument, constexprs too
     stream = torch.cuda.current_stream().cuda_stream
     launcher = compiled[(grid, 1, 1)]
@@ -72,7 +72,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
         "kernels.launch_forward": lambda: kernels.launch_forward(x, w, EPS, y, rstd),
         "JIT launch (kernel[grid](...))": lambda: kernels._rms_norm_fwd[(grid,)](
-            *args, **meta, num_warps=cfg.num_warps
+            *args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS
         ),
         "compiled launcher, stream given": lambda: launcher(*full, stream=stream),
         "compiled launcher, stream looked up": lambda: launcher(*full),

@@ -129,9 +129,10 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
     block = next_power_of_2(n)
     for max_n, elements, warps, options in ladder:
         if n <= max_n:
-            if options.get("looped"):
+            looped = options.get("looped", False)
+            if looped:  # elements = columns per step, one row per program
                 block = min(block, elements)
-            rows = max(1, elements // block)
+            rows = 1 if looped else max(1, elements // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, **options)

@@ -7,10 +7,15 @@ Math (``reference.py`` is the oracle), per row ``x`` of length ``N``::
     dw = sum over rows of dy * x * rstd
 
 All arithmetic is fp32; offsets are 64-bit; rows may be strided (last dim
-contiguous, any row stride). x is read once in both directions:
+contiguous, any row stride). Three ways to cover a row:
 
 - single-pass mode (``SPLIT == 1``): a program holds ``ROWS`` whole rows in
-  registers;
+  registers and reads x once; the backward with ``RELOAD`` reads x and dy a
+  second time after the row sum (from L1/L2) instead of keeping them in
+  registers across it;
+- looped mode (forward, ``LOOPED``): one row per program in ``BLOCK_N`` steps,
+  a first pass for the sum of squares and a second that re-reads x (from L2) to
+  write y, as Inductor's reductions do;
 - split mode (``SPLIT > 1``, long rows): ``SPLIT`` consecutive programs each
   hold one ``BLOCK_N`` chunk of a row, publish a partial sum, meet at a
   per-row barrier (``_arrive_and_wait``; atomics count, never sum) and add the
@@ -56,6 +61,7 @@ def _rstd(sum_sq, n, eps):
 
 @triton.jit
 def _load_rows(ptrs, mask, POLICY: tl.constexpr):
+    """Masked load (0 where masked) as fp32, with a cache eviction policy ("" for none)."""
     return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
 
 
