@@ -45,18 +45,11 @@ def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
     return ptrs | {name: INTS.get(name, "fp32") for name in rest}
 
 
-def constexprs(backward: bool, cfg: KernelConfig) -> dict:
-    out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=True, SPLIT=cfg.split, PHASE=0)
-    if backward:
-        return out | dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload)
-    return out | dict(LOOPED=cfg.looped)
-
-
 def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
     read from the compiled cubin by Triton's bundled ``cuobjdump``."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    consts = constexprs(backward, cfg)
+    consts = kernels.constexprs(cfg, backward, has_weight=True)
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=TARGET,
                               options={"num_warps": cfg.num_warps, **kernels.COMPILE_OPTIONS})

@@ -325,22 +325,31 @@ def _on(device: torch.device):
     return contextlib.nullcontext()
 
 
+def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
+    """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
+    kernel's parameter order (``PHASE`` 0: one launch)."""
+    out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
+    if backward:
+        return out | dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload)
+    return out | dict(LOOPED=cfg.looped)
+
+
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            meta: dict, pad_rows: int = 0) -> None:
+            has_weight: bool, pad_rows: int = 0) -> None:
     """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
     barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
-    meta = dict(meta, BLOCK_N=cfg.block_n, ROWS=cfg.rows, SPLIT=cfg.split, num_warps=cfg.num_warps, **COMPILE_OPTIONS)
+    meta = constexprs(cfg, kernel is _rms_norm_bwd, has_weight) | dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
     if cfg.split == 1:
-        kernel[(grid,)](*before, before[0], before[0], *after, PHASE=0, **meta)
+        kernel[(grid,)](*before, before[0], before[0], *after, **meta)
         return
     rows = m + pad_rows  # the backward's phantom rows get barrier slots too
     partial = torch.empty((rows, cfg.split), dtype=torch.float32, device=device)
     if is_interpreted():
         for phase in (1, 2):
-            kernel[(grid,)](*before, partial, partial, *after, PHASE=phase, **meta)
+            kernel[(grid,)](*before, partial, partial, *after, **dict(meta, PHASE=phase))
     else:
         count = torch.zeros((rows,), dtype=torch.int32, device=device)
-        kernel[(grid,)](*before, partial, count, *after, PHASE=0, **meta)
+        kernel[(grid,)](*before, partial, count, *after, **meta)
 
 
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
@@ -356,8 +365,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
     with _on(x.device):
         _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-                [row_stride(x), row_stride(y), m, n, eps],
-                dict(HAS_WEIGHT=weight is not None, LOOPED=cfg.looped))
+                [row_stride(x), row_stride(y), m, n, eps], weight is not None)
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -406,8 +414,7 @@ def launch_backward(
         _launch(
             _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
             [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
-            dict(HAS_WEIGHT=has_weight, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload),
+            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group], has_weight,
             pad_rows=rows_per_group,
         )
     if has_weight:
