@@ -68,7 +68,9 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
         if row >= 32768:
             out.append(KernelConfig(8192, 1, 8, split=row // 8192))
         return out
-    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else []) + (["programs_per_sm"] if backward else [])
+    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else ["programs_per_sm"])
+    if backward and cfg.split == 1:
+        fields.append("programs_per_sm")
     out = [
         dataclasses.replace(cfg, **{f: v})
         for f in fields

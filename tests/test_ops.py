@@ -151,25 +151,33 @@ def test_double_backward_on_the_kernel_path(device):
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-4, rtol=1e-3)
 
 
-def test_split_backward_with_a_ragged_last_group(device):
-    """Split mode with a last row group shorter than the others: it walks phantom rows."""
+@pytest.mark.parametrize("k, e", [(0, 1), (1, 1), (1, 2), (2, 2), (4, 3)])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_split_mode_row_groups(device, k, e, with_weight):
+    """Split mode's row pipeline (three rows in flight per program), forward and backward, at
+    its edges, M = k * G + e rows for a grid of G row groups: one row; groups of one, two and
+    more rows; a last group shorter than the others (it walks phantom rows)."""
     from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig, backward_programs, sm_count
+    from torch_rmsnorm_op.config import KernelConfig, sm_count
 
     cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2)
-    target = cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split  # >= 2 groups
-    m, n = 2 * target + 1, 3000  # 3 rows per group; the last group is shorter
-    groups, per_group = backward_programs(m, n, torch.device(device), cfg)
-    assert m % per_group != 0, (m, groups, per_group)
+    m, n = k * (cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split) + e, 3000
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
-    w = torch.randn(n, device=device)
-    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    w = torch.randn(n, device=device) if with_weight else None
+    w64 = None if w is None else w.double()
+    y, rstd = torch.full_like(x, float("nan")), torch.full((m,), float("nan"), device=device)
+    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), w64, 1e-6)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
     dx = torch.full_like(x, float("nan"))
-    dw = torch.full_like(w, float("nan"))
-    kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
-    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    dw = torch.full((n,), float("nan"), device=device) if with_weight else None
+    ws = kernels.backward_workspace(m, n, x.device, x.dtype, cfg) if with_weight else None
+    kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w64, rstd.double())
     torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
+    if with_weight:
+        torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
 def test_single_pass_backward_forms_agree(device):
@@ -179,7 +187,7 @@ def test_single_pass_backward_forms_agree(device):
     without the reload, the compiler fuses multiply-adds differently: on the H200 the bits
     differed, within the tolerance.)"""
     from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig, backward_programs
+    from torch_rmsnorm_op.config import KernelConfig, row_groups
 
     m, n = 23, 40
     x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
@@ -188,7 +196,7 @@ def test_single_pass_backward_forms_agree(device):
     outs = {}
     for counted, reload in itertools.product((False, True), (False, True)):
         cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted, reload=reload)
-        groups, per_group = backward_programs(m, n, torch.device(device), cfg)
+        groups, per_group = row_groups(m, n, torch.device(device), cfg)
         assert groups >= 2 and m % per_group % cfg.rows != 0, (groups, per_group)  # last group, tile ragged
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
         kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 # Largest row length the kernels serve; longer rows go to the fallback policy.
-# Split mode has no cliff up to here: the backward spreads a row over 128 programs of 8192
-# columns, which must all be resident at once, so a GPU with fewer SMs than a row needs
+# Split mode has no cliff up to here: it spreads a row over 128 programs of 8192 columns,
+# which must all be resident at once, so a GPU with fewer SMs than a row needs
 # programs sends that N to the fallback policy (fallback.kernel_unsupported_reason).
 MAX_N = 1 << 20
 
@@ -48,7 +48,7 @@ FWD_LADDER_FP32 = (
 # Forward beyond the ladder, split mode: (columns per program, warps).
 # 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%). fp32 takes split mode
 # from N=65536 on (80.9% there; looped fp32 not measured at that N).
-FWD_SPLIT = (8192, 8)
+FWD_SPLIT = (8192, 8, 1)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
@@ -143,7 +143,7 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
 @functools.cache
 def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
-    return _config(n, FWD_LADDER_FP32 if dtype.itemsize == 4 else FWD_LADDER, *FWD_SPLIT, 1)
+    return _config(n, FWD_LADDER_FP32 if dtype.itemsize == 4 else FWD_LADDER, *FWD_SPLIT)
 
 
 @functools.cache
@@ -170,9 +170,10 @@ def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
     return cdiv(partial_rows, cdiv(partial_rows, splits))
 
 
-def backward_programs(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
-    """``(row groups, rows per group)`` for the backward grid (``groups * cfg.split`` programs).
-    Every group gets >= 1 row, so every dweight partial row is written."""
+def row_groups(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
+    """``(row groups, rows per group)`` of a grid of ``groups * cfg.split`` programs that walk
+    their group's rows: the backward's, and the forward's in split mode. Every group gets >= 1
+    row, so every dweight partial row is written."""
     target = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
     rows_per_group = cdiv(m, target)
     # Whole tiles per group, so only the last group has a ragged tile.

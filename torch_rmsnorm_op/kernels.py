@@ -46,10 +46,10 @@ from torch_rmsnorm_op.config import (
     REDUCE_BLOCK_P,
     KernelConfig,
     backward_config,
-    backward_programs,
     cdiv,
     forward_config,
     reduce_splits,
+    row_groups,
 )
 from torch_rmsnorm_op.layout import row_stride
 
@@ -66,11 +66,9 @@ def _load_rows(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _arrive_and_wait(COUNTER, expected):
-    """Barrier for the SPLIT programs of one row. The launcher numbers a row's programs
-    consecutively and blocks start in id order, so all of them get to run."""
-    tl.debug_barrier()  # every thread's partial store precedes the release below
-    count = tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1
+def _wait(COUNTER, count, expected):
+    """Poll a row barrier's arrival count until it reaches ``expected``. The launcher numbers a
+    row's programs consecutively and all of them are resident at once, so all of them arrive."""
     # Polling with volatile loads by every thread instead was slower when many programs wait
     # (forward 2048 x 65536: 57% vs 73% of copy; profiling/NOTES.md).
     while count < expected:
@@ -79,14 +77,49 @@ def _arrive_and_wait(COUNTER, expected):
 
 
 @triton.jit
+def _slots_total(SLOTS, SPLIT: tl.constexpr):
+    """The SPLIT partials of a row added in slot (chunk) order: one fixed order."""
+    return tl.sum(tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True), axis=0)
+
+
+@triton.jit
 def _row_total(value, SLOTS, chunk, COUNTER, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """Split mode: the sum of ``value`` over the SPLIT programs of one row, added in chunk order
-    (publish in slot ``chunk``, meet at the row barrier, read all slots)."""
+    """Split mode: the sum of ``value`` over the SPLIT programs of one row (publish in slot
+    ``chunk``, meet at the row barrier, read all slots)."""
     if PHASE != 2:
         tl.store(SLOTS + chunk, value)
     if PHASE == 0:
-        _arrive_and_wait(COUNTER, SPLIT)
-    return tl.sum(tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True), axis=0)
+        tl.debug_barrier()  # every thread's partial store precedes the release below
+        _wait(COUNTER, tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1, SPLIT)
+    return _slots_total(SLOTS, SPLIT)
+
+
+@triton.jit
+def _publish(value, SLOTS, chunk, COUNTER, PHASE: tl.constexpr):
+    """Split mode, in two steps: store this program's partial in slot ``chunk`` and arrive at
+    the row barrier without waiting for the others (``_wait_total`` waits)."""
+    if PHASE != 2:
+        tl.store(SLOTS + chunk, value)
+    if PHASE == 0:
+        tl.debug_barrier()
+        tl.atomic_add(COUNTER, 1, sem="release")
+
+
+@triton.jit
+def _wait_total(SLOTS, COUNTER, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode, second step: wait for the row's SPLIT partials, then their sum."""
+    if PHASE == 0:
+        _wait(COUNTER, tl.atomic_add(COUNTER, 0, sem="acquire"), SPLIT)
+    return _slots_total(SLOTS, SPLIT)
+
+
+@triton.jit
+def _load_chunk(P, stride, row_start, i, offs, width, M, rows_per_group):
+    """Split mode: this program's chunk (``P`` moved to it, ``width`` columns left in the row)
+    of row ``row_start + i`` of its group, as stored: zeros past M or past the group's rows."""
+    row = row_start + i
+    return tl.load(P + row * stride + offs, mask=offs < tl.where((row < M) & (i < rows_per_group), width, 0),
+                   other=0.0)
 
 
 @triton.jit
@@ -95,13 +128,14 @@ def _rms_norm_fwd(
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     Y,  # output [M, N], row stride stride_y
     RSTD,  # output [M] fp32
-    PARTIAL,  # split mode: [M, SPLIT] fp32 partial sums of squares
-    COUNT,  # split mode, PHASE 0: [M] int32 zeros, the row barriers
+    PARTIAL,  # split mode: [M + rows_per_group, SPLIT] fp32 partial sums of squares
+    COUNT,  # split mode, PHASE 0: [M + rows_per_group] int32 zeros, the row barriers
     stride_x,
     stride_y,
     M,
     N,
     eps,
+    rows_per_group,  # split mode
     BLOCK_N: tl.constexpr,
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -142,20 +176,49 @@ def _rms_norm_fwd(
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
+        # Split mode, as in the backward: SPLIT programs per row group walk the group's rows,
+        # three in flight (row i waits for its total, row i + 1's partial is published, row
+        # i + 2 is being loaded); rows past M are phantoms with barrier slots of their own.
         pid = tl.program_id(0).to(tl.int64)
-        row = pid // SPLIT
         chunk = pid % SPLIT
-        cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        sum_sq = _row_total(tl.sum(x * x, axis=0), PARTIAL + row * SPLIT, chunk, COUNT + row, SPLIT, PHASE)
-        if PHASE != 1:
-            rstd = _rstd(sum_sq, N, eps)
-            y = x * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-            tl.store(RSTD + row, rstd, mask=chunk == 0)
+        row_start = pid // SPLIT * rows_per_group
+        start = chunk * BLOCK_N
+        X, Y, W = X + start, Y + start, W + start  # 32-bit offsets within the chunk
+        offs = tl.arange(0, BLOCK_N)
+        width = N - start
+        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
+        x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
+        _publish(_sum_sq(x0), PARTIAL + row_start * SPLIT, chunk, COUNT + row_start, PHASE)
+        for i in range(0, rows_per_group):
+            row = row_start + i
+            x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
+            if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
+                _publish(_sum_sq(x1), PARTIAL + (row + 1) * SPLIT, chunk, COUNT + row + 1, PHASE)
+            sum_sq = _wait_total(PARTIAL + row * SPLIT, COUNT + row, SPLIT, PHASE)
+            if PHASE != 1:
+                rstd = _rstd(sum_sq, N, eps)
+                y = x0.to(tl.float32) * rstd
+                if HAS_WEIGHT:
+                    y = y * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
+                tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=offs < tl.where(row < M, width, 0))
+                tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
+            x0, x1 = x1, x2
+
+
+@triton.jit
+def _sum_sq(x):
+    """Sum of squares in fp32."""
+    x = x.to(tl.float32)
+    return tl.sum(x * x, axis=0)
+
+
+@triton.jit
+def _dot(x, dy, W, offs, width, HAS_WEIGHT: tl.constexpr):
+    """This chunk's part of the row's sum of dy * w * x (fp32)."""
+    u = dy.to(tl.float32)
+    if HAS_WEIGHT:
+        u = u * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
+    return tl.sum(u * x.to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -228,36 +291,48 @@ def _rms_norm_bwd(
         if HAS_WEIGHT:
             tl.store(DW_PARTIAL + group * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
-        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with barrier slots of their own (PARTIAL and COUNT have
         # M + rows_per_group rows), so all SPLIT programs of a group still meet at each one.
-        # Row i + 1's x and dy are requested before row i's barrier, so they arrive while the
-        # program waits; w is re-read per row (from cache) to leave registers for them.
-        first = cols < tl.where(row_start < M, N, 0)
-        x_next = tl.load(X + row_start * stride_x + cols, mask=first, other=0.0)
-        dy_next = tl.load(DY + row_start * stride_dy + cols, mask=first, other=0.0)
+        # Three rows in flight: while the program waits for row i's total, row i + 1's partial
+        # is already published and row i + 2 is being loaded; x and dy stay in their own dtype
+        # until used, and w is re-read from cache, to leave registers for them.
+        # Offsets within the chunk are 32-bit from pointers moved to the chunk: 64-bit pointers
+        # per element, hoisted out of the row loop, took most of the registers.
+        start = chunk * BLOCK_N
+        X, DY, DX, W = X + start, DY + start, DX + start, W + start
+        offs = tl.arange(0, BLOCK_N)
+        width = N - start  # of this chunk, may exceed BLOCK_N
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
+        dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group)
+        x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
+        dy1 = _load_chunk(DY, stride_dy, row_start, 1, offs, width, M, rows_per_group)
+        _publish(_dot(x0, dy0, W, offs, width, HAS_WEIGHT), PARTIAL + row_start * SPLIT, chunk, COUNT + row_start,
+                 PHASE)
         for i in range(0, rows_per_group):
             row = row_start + i
-            live = cols < tl.where(row < M, N, 0)
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            ahead = cols < tl.where((row + 1 < M) & (i + 1 < rows_per_group), N, 0)
-            x_next = tl.load(X + (row + 1) * stride_x + cols, mask=ahead, other=0.0)
-            dy_next = tl.load(DY + (row + 1) * stride_dy + cols, mask=ahead, other=0.0)
-            u = dy
-            if HAS_WEIGHT:
-                u = dy * tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-            dot = _row_total(tl.sum(u * x, axis=0), PARTIAL + row * SPLIT, chunk, COUNT + row, SPLIT, PHASE)
+            x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
+            dy2 = _load_chunk(DY, stride_dy, row_start, i + 2, offs, width, M, rows_per_group)
+            if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
+                _publish(_dot(x1, dy1, W, offs, width, HAS_WEIGHT), PARTIAL + (row + 1) * SPLIT, chunk,
+                         COUNT + row + 1, PHASE)
+            dot = _wait_total(PARTIAL + row * SPLIT, COUNT + row, SPLIT, PHASE)
             if PHASE != 1:
+                x = x0.to(tl.float32)
+                dy = dy0.to(tl.float32)
+                u = dy
+                if HAS_WEIGHT:
+                    u = dy * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
                 rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-                c = dot / N
-                dx = (u - x * (rstd * rstd * c)) * rstd
-                tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=live)
+                dx = (u - x * (rstd * rstd * (dot / N))) * rstd
+                tl.store(DX + row * stride_dx + offs, dx.to(DX.dtype.element_ty),
+                         mask=offs < tl.where(row < M, width, 0))
                 if HAS_WEIGHT:
                     dw_acc += dy * x * rstd
+            x0, dy0, x1, dy1 = x1, dy1, x2, dy2
         if PHASE != 1 and HAS_WEIGHT:
-            tl.store(DW_PARTIAL + group * N + cols, dw_acc, mask=col_mask)
+            tl.store(DW_PARTIAL + group * N + start + offs, dw_acc, mask=offs < width)
 
 
 @triton.jit
@@ -362,17 +437,20 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if m == 0:
         return
     cfg = cfg or forward_config(n, x.dtype)
-    grid = m * cfg.split if cfg.split > 1 else cdiv(m, cfg.rows)
+    grid, rows_per_group = cdiv(m, cfg.rows), 0
+    if cfg.split > 1:
+        groups, rows_per_group = row_groups(m, n, x.device, cfg)
+        grid = groups * cfg.split
     with _on(x.device):
         _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
-                [row_stride(x), row_stride(y), m, n, eps], weight is not None)
+                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], weight is not None, pad_rows=rows_per_group)
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
                        cfg: KernelConfig | None = None) -> Tensor:
     """Uninitialized fp32 scratch for the dweight partials: [row groups + reduce splits, N]
     (one partial row per row group, then the first reduce stage's rows, if any)."""
-    groups, _ = backward_programs(m, n, device, cfg or backward_config(n, dtype))
+    groups, _ = row_groups(m, n, device, cfg or backward_config(n, dtype))
     return torch.empty((groups + reduce_splits(groups, n, device), n), dtype=torch.float32, device=device)
 
 
@@ -406,7 +484,7 @@ def launch_backward(
     n = x.shape[-1]
     m = x.numel() // n
     cfg = cfg or backward_config(n, x.dtype)
-    groups, rows_per_group = backward_programs(m, n, x.device, cfg)
+    groups, rows_per_group = row_groups(m, n, x.device, cfg)
     has_weight = weight is not None
     if has_weight and workspace is None:
         workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
