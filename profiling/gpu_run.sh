@@ -25,7 +25,7 @@ if [ "$what" = tests ]; then
   exit 0
 fi
 if [ "$what" = tune ]; then
-  timeout 200 python3 profiling/tune.py --near --out "$out" --jobs "$1" --tag near 2>&1 | tee -a "$log"
+  timeout "${TUNE_TIMEOUT:-200}" python3 profiling/tune.py --near --out "$out" --jobs "$1" --tag near 2>&1 | tee -a "$log"
   shift
   while [ $# -ge 2 ]; do
     python3 profiling/variants/apply.py "$1" | tee -a "$log"

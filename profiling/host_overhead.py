@@ -56,7 +56,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     cfg = forward_config(n, dtype)
     grid = triton.cdiv(m, cfg.rows)
     meta = kernels.constexprs(cfg, backward=False, has_weight=True)  # single-pass at these shapes
-    args = [x, w, y, rstd, x, x, x.stride(0), y.stride(0), m, n, EPS]
+    args = [x, w, y, rstd, x, x.stride(0), y.stride(0), m, n, EPS, 0]  # SLOTS unused; rows_per_group 0
     compiled = kernels._rms_norm_fwd[(grid,)](*args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS)
     full = args + list(meta.values())  # the compiled launcher takes every argument, constexprs too
     stream = torch.cuda.current_stream().cuda_stream

@@ -37,10 +37,10 @@ INTS = {"stride_x": "i64", "stride_y": "i64", "stride_dy": "i64", "stride_dx": "
 def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
     t = "*" + TRITON_TYPES[dtype]
     if backward:
-        ptrs = dict(DY=t, X=t, W=t, RSTD="*fp32", DX=t, DW_PARTIAL="*fp32", PARTIAL="*fp32", COUNT="*i32")
+        ptrs = dict(DY=t, X=t, W=t, RSTD="*fp32", DX=t, DW_PARTIAL="*fp32", SLOTS="*i64")
         rest = ["stride_dy", "stride_x", "stride_dx", "M", "N", "rows_per_group"]
     else:
-        ptrs = dict(X=t, W=t, Y=t, RSTD="*fp32", PARTIAL="*fp32", COUNT="*i32")
+        ptrs = dict(X=t, W=t, Y=t, RSTD="*fp32", SLOTS="*i64")
         rest = ["stride_x", "stride_y", "M", "N", "eps", "rows_per_group"]
     return ptrs | {name: INTS.get(name, "fp32") for name in rest}
 

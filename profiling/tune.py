@@ -66,7 +66,7 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
                 if cfg.num_warps * 32 * 4 <= b <= row]
         out += [KernelConfig(row, 1, w) for w in (8, 16, 32) if row <= 32768]
         if row >= 32768:
-            out.append(KernelConfig(8192, 1, 8, split=row // 8192))
+            out += [KernelConfig(8192, 1, 8, split=row // 8192, programs_per_sm=p) for p in (1, 2)]
         return out
     fields = ["num_warps"] + (["rows"] if cfg.split == 1 else ["programs_per_sm"])
     if backward and cfg.split == 1:
@@ -81,7 +81,7 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
         out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
         out += [dataclasses.replace(cfg, reload=not cfg.reload, num_warps=w)
                 for w in (cfg.num_warps, cfg.num_warps * 2) if w <= 32]
-    if cfg.split > 1 and cfg.block_n * cfg.split <= 65536:  # the whole row in one program
+    if cfg.split > 1 and cfg.block_n * cfg.split <= 32768:  # the whole row in one program (at 65536: 5-23%)
         out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm, reload=r)
                 for w in (16, 32) for r in ((False, True) if backward else (False,))]
     row = cfg.block_n * cfg.split

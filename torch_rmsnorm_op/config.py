@@ -48,7 +48,7 @@ FWD_LADDER_FP32 = (
 # Forward beyond the ladder, split mode: (columns per program, warps).
 # 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%). fp32 takes split mode
 # from N=65536 on (80.9% there; looped fp32 not measured at that N).
-FWD_SPLIT = (8192, 8, 1)
+FWD_SPLIT = (8192, 8, 2)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
@@ -73,7 +73,7 @@ BWD_LADDER_FP32 = (
 # reached 56.1% at N=32768, 53.1% at 65536, 49.5% at 262144 (bf16), against 53.1%, 51.5%,
 # 44.3% for the best without the prefetch (16384 x 16; 16384 x 16 spills with it: 35-37%).
 # Half the columns also halve the dweight scratch (under 2% of dx). profiling/NOTES.md.
-BWD_SPLIT = (8192, 16, 1)
+BWD_SPLIT = (8192, 8, 1)
 # fp32 keeps x and dy at 4 bytes in registers: 16384 columns on 8 warps spilled
 # (fwd+bwd 18% of copy at 1024x65536 fp32, vs 58-60% for bf16/fp16 at N=65536:
 # profiling/results/2026-11-29-h200-results), so half the columns per program.

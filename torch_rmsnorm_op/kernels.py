@@ -16,13 +16,14 @@ contiguous, any row stride). Three ways to cover a row:
 - looped mode (forward, ``LOOPED``): one row per program in ``BLOCK_N`` steps,
   a first pass for the sum of squares and a second that re-reads x (from L2) to
   write y, as Inductor's reductions do;
-- split mode (``SPLIT > 1``, long rows): ``SPLIT`` consecutive programs each
-  hold one ``BLOCK_N`` chunk of a row, publish a partial sum, meet at a
-  per-row barrier (``_arrive_and_wait``; atomics count, never sum) and add the
-  ``SPLIT`` partials in one fixed order (``_row_total``). The backward requests
-  a group's next row before each barrier. Under the Triton interpreter, which
-  runs programs one after another, the same kernel runs in two launches
-  (``PHASE`` 1 then 2) instead of meeting at a barrier.
+- split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
+  ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
+  group's rows together. Each publishes its partial sum for a row in a slot
+  (``_publish``: flag and value in one 64-bit word) and reads the row's slots
+  until all are set, adding them in one fixed order (``_row_total``); three
+  rows are in flight per program, so a row's slots are mostly full when read.
+  Under the Triton interpreter, which runs programs one after another, the
+  same kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
 
 dweight is reduced deterministically: each backward program (single-pass) or
 row group (split) writes one fp32 partial row (scratch is groups x N, never
@@ -66,51 +67,31 @@ def _load_rows(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _wait(COUNTER, count, expected):
-    """Poll a row barrier's arrival count until it reaches ``expected``. The launcher numbers a
-    row's programs consecutively and all of them are resident at once, so all of them arrive."""
-    # Polling with volatile loads by every thread instead was slower when many programs wait
-    # (forward 2048 x 65536: 57% vs 73% of copy; profiling/NOTES.md).
-    while count < expected:
-        count = tl.atomic_add(COUNTER, 0, sem="acquire")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _slots_total(SLOTS, SPLIT: tl.constexpr):
-    """The SPLIT partials of a row added in slot (chunk) order: one fixed order."""
-    return tl.sum(tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True), axis=0)
-
-
-@triton.jit
-def _row_total(value, SLOTS, chunk, COUNTER, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """Split mode: the sum of ``value`` over the SPLIT programs of one row (publish in slot
-    ``chunk``, meet at the row barrier, read all slots)."""
+def _publish(value, SLOTS, chunk, PHASE: tl.constexpr):
+    """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row, as one
+    64-bit word, ready flag (bit 32) and value together, so a reader that sees the flag sees
+    the value: no counter, no fence."""
     if PHASE != 2:
-        tl.store(SLOTS + chunk, value)
-    if PHASE == 0:
-        tl.debug_barrier()  # every thread's partial store precedes the release below
-        _wait(COUNTER, tl.atomic_add(COUNTER, 1, sem="acq_rel") + 1, SPLIT)
-    return _slots_total(SLOTS, SPLIT)
+        bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+        tl.store(SLOTS + chunk, bits | 0x100000000)
 
 
 @triton.jit
-def _publish(value, SLOTS, chunk, COUNTER, PHASE: tl.constexpr):
-    """Split mode, in two steps: store this program's partial in slot ``chunk`` and arrive at
-    the row barrier without waiting for the others (``_wait_total`` waits)."""
-    if PHASE != 2:
-        tl.store(SLOTS + chunk, value)
-    if PHASE == 0:
-        tl.debug_barrier()
-        tl.atomic_add(COUNTER, 1, sem="release")
+def _read_slots(SLOTS, SPLIT: tl.constexpr):
+    """Split mode: the row's SPLIT slot words (volatile: from L2, where other programs wrote)."""
+    return tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True)
 
 
 @triton.jit
-def _wait_total(SLOTS, COUNTER, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """Split mode, second step: wait for the row's SPLIT partials, then their sum."""
+def _row_total(words, SLOTS, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode: the sum of the row's SPLIT partials in slot order (one fixed order), read
+    again from ``SLOTS`` until every flag is set; ``words`` is a first read, made early so its
+    latency overlaps other work. The launcher zeroes the slots and numbers a row's programs
+    consecutively, all resident at once, so every one gets to publish."""
     if PHASE == 0:
-        _wait(COUNTER, tl.atomic_add(COUNTER, 0, sem="acquire"), SPLIT)
-    return _slots_total(SLOTS, SPLIT)
+        while tl.min(words >> 32, axis=0) == 0:
+            words = _read_slots(SLOTS, SPLIT)
+    return tl.sum((words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), axis=0)
 
 
 @triton.jit
@@ -128,8 +109,7 @@ def _rms_norm_fwd(
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     Y,  # output [M, N], row stride stride_y
     RSTD,  # output [M] fp32
-    PARTIAL,  # split mode: [M + rows_per_group, SPLIT] fp32 partial sums of squares
-    COUNT,  # split mode, PHASE 0: [M + rows_per_group] int32 zeros, the row barriers
+    SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partial sums
     stride_x,
     stride_y,
     M,
@@ -188,13 +168,14 @@ def _rms_norm_fwd(
         width = N - start
         x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
         x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
-        _publish(_sum_sq(x0), PARTIAL + row_start * SPLIT, chunk, COUNT + row_start, PHASE)
+        _publish(_sum_sq(x0), SLOTS + row_start * SPLIT, chunk, PHASE)
         for i in range(0, rows_per_group):
             row = row_start + i
             x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
+            words = _read_slots(SLOTS + row * SPLIT, SPLIT)
             if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
-                _publish(_sum_sq(x1), PARTIAL + (row + 1) * SPLIT, chunk, COUNT + row + 1, PHASE)
-            sum_sq = _wait_total(PARTIAL + row * SPLIT, COUNT + row, SPLIT, PHASE)
+                _publish(_sum_sq(x1), SLOTS + (row + 1) * SPLIT, chunk, PHASE)
+            sum_sq = _row_total(words, SLOTS + row * SPLIT, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = _rstd(sum_sq, N, eps)
                 y = x0.to(tl.float32) * rstd
@@ -229,8 +210,7 @@ def _rms_norm_bwd(
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride stride_dx
     DW_PARTIAL,  # scratch [row groups, N] fp32: one dweight partial row per group
-    PARTIAL,  # split mode: [M + rows_per_group, SPLIT] fp32 partial sums of dy * w * x
-    COUNT,  # split mode, PHASE 0: [M + rows_per_group] int32 zeros, the row barriers
+    SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partials
     stride_dy,
     stride_x,
     stride_dx,
@@ -292,8 +272,8 @@ def _rms_norm_bwd(
             tl.store(DW_PARTIAL + group * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
-        # (nothing loaded or stored) with barrier slots of their own (PARTIAL and COUNT have
-        # M + rows_per_group rows), so all SPLIT programs of a group still meet at each one.
+        # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
+        # rows), so all SPLIT programs of a group still meet at each one.
         # Three rows in flight: while the program waits for row i's total, row i + 1's partial
         # is already published and row i + 2 is being loaded; x and dy stay in their own dtype
         # until used, and w is re-read from cache, to leave registers for them.
@@ -308,16 +288,15 @@ def _rms_norm_bwd(
         dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group)
         x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
         dy1 = _load_chunk(DY, stride_dy, row_start, 1, offs, width, M, rows_per_group)
-        _publish(_dot(x0, dy0, W, offs, width, HAS_WEIGHT), PARTIAL + row_start * SPLIT, chunk, COUNT + row_start,
-                 PHASE)
+        _publish(_dot(x0, dy0, W, offs, width, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)
         for i in range(0, rows_per_group):
             row = row_start + i
             x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
             dy2 = _load_chunk(DY, stride_dy, row_start, i + 2, offs, width, M, rows_per_group)
+            words = _read_slots(SLOTS + row * SPLIT, SPLIT)
             if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
-                _publish(_dot(x1, dy1, W, offs, width, HAS_WEIGHT), PARTIAL + (row + 1) * SPLIT, chunk,
-                         COUNT + row + 1, PHASE)
-            dot = _wait_total(PARTIAL + row * SPLIT, COUNT + row, SPLIT, PHASE)
+                _publish(_dot(x1, dy1, W, offs, width, HAS_WEIGHT), SLOTS + (row + 1) * SPLIT, chunk, PHASE)
+            dot = _row_total(words, SLOTS + row * SPLIT, SPLIT, PHASE)
             if PHASE != 1:
                 x = x0.to(tl.float32)
                 dy = dy0.to(tl.float32)
@@ -411,20 +390,16 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
             has_weight: bool, pad_rows: int = 0) -> None:
-    """Launch with PARTIAL and COUNT between ``before`` and ``after``. Split mode meets at row
-    barriers in one launch, or runs two phases when interpreted (programs run one by one)."""
+    """Launch with SLOTS between ``before`` and ``after``. Split mode meets at row barriers in
+    one launch, or runs two phases when interpreted (programs run one by one)."""
     meta = constexprs(cfg, kernel is _rms_norm_bwd, has_weight) | dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
     if cfg.split == 1:
-        kernel[(grid,)](*before, before[0], before[0], *after, **meta)
+        kernel[(grid,)](*before, before[0], *after, **meta)
         return
-    rows = m + pad_rows  # the backward's phantom rows get barrier slots too
-    partial = torch.empty((rows, cfg.split), dtype=torch.float32, device=device)
-    if is_interpreted():
-        for phase in (1, 2):
-            kernel[(grid,)](*before, partial, partial, *after, **dict(meta, PHASE=phase))
-    else:
-        count = torch.zeros((rows,), dtype=torch.int32, device=device)
-        kernel[(grid,)](*before, partial, count, *after, **meta)
+    # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
+    slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
+    for phase in (1, 2) if is_interpreted() else (0,):
+        kernel[(grid,)](*before, slots, *after, **dict(meta, PHASE=phase))
 
 
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
