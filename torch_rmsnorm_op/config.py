@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import torch
 
 # Largest row length the kernels serve; longer rows go to the fallback policy.
-# Split mode has no cliff up to here: it spreads a row over 128 programs of 8192 columns,
-# which must all be resident at once, so a GPU with fewer SMs than a row needs
-# programs sends that N to the fallback policy (fallback.kernel_unsupported_reason).
+# Split mode has no cliff up to here: it spreads a row over at most MAX_SPLIT programs
+# (columns per program grow past the table's to keep it so), which must all be resident at
+# once, so a GPU with fewer SMs than a row needs programs sends that N to the fallback
+# policy (fallback.kernel_unsupported_reason).
 MAX_N = 1 << 20
+MAX_SPLIT = 128
 
 # The ladders below were chosen on the H200 (bf16 unless marked, x of 256 MiB, launcher GPU
 # time, % of the copy ceiling measured in the same run) by profiling/tune.py:
@@ -45,10 +47,13 @@ FWD_LADDER_FP32 = (
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
 )
-# Forward beyond the ladder, split mode: (columns per program, warps).
-# 72.8% at N=65536, 70.2% at N=262144 (16384 x 16 warps: 71.2%, 66.9%). fp32 takes split mode
-# from N=65536 on (80.9% there; looped fp32 not measured at that N).
-FWD_SPLIT = (8192, 8, 2)
+# Forward beyond the ladder, split mode: (columns per program, warps, programs per SM).
+# A persistent grid, three rows in flight per program (kernels.py; -tune5/b_flag_words.json):
+# bf16 N=262144 76.0% (8192 x 8 warps: 60.9%, 61.4% with 1 per SM; 8192 x 4: 75.7%; the
+# earlier one program per (row, chunk): 69.8-70.2%). fp32 takes split mode from N=65536 on,
+# 8192 x 4 there: 79.7% (16384 x 8: 79.1%; one program per (row, chunk): 81.0%).
+FWD_SPLIT = (16384, 8, 2)
+FWD_SPLIT_FP32 = (8192, 4, 2)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
@@ -69,16 +74,14 @@ BWD_LADDER_FP32 = (
     (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
 )
 # Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# The kernel requests the next row before each row barrier; with 8192 columns x 16 warps that
-# reached 56.1% at N=32768, 53.1% at 65536, 49.5% at 262144 (bf16), against 53.1%, 51.5%,
-# 44.3% for the best without the prefetch (16384 x 16; 16384 x 16 spills with it: 35-37%).
-# Half the columns also halve the dweight scratch (under 2% of dx). profiling/NOTES.md.
+# Three rows in flight per program and flag words instead of a counted barrier
+# (-tune5/b_flag_words.json, bwd alone): bf16 73.3% at N=32768, 69.5% at 65536, 72.1% at
+# 262144 (16 warps: 59.6%, 54.2%, 56.7%; 2 per SM: 71.6%, 54.0%, 70.6%); with a counted
+# barrier 56-60% (-tune5/a); before the pipeline, 56.1%, 53.1%, 49.5%. The columns per
+# program also size the dweight scratch (groups x N; under 2% of dx). profiling/NOTES.md.
 BWD_SPLIT = (8192, 8, 1)
-# fp32 keeps x and dy at 4 bytes in registers: 16384 columns on 8 warps spilled
-# (fwd+bwd 18% of copy at 1024x65536 fp32, vs 58-60% for bf16/fp16 at N=65536:
-# profiling/results/2026-11-29-h200-results), so half the columns per program.
-# 66.7% without the prefetch, 63.6% with it (bwd alone, 1024x65536).
-BWD_SPLIT_FP32 = (8192, 8, 1)
+# fp32: 4096 x 8 warps, 77.3% at N=65536 (8192 x 8: 68.9%; before the pipeline 63.6%).
+BWD_SPLIT_FP32 = (4096, 8, 1)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -136,14 +139,16 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, **options)
-    split = next_power_of_2(cdiv(n, split_block))
+    split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)
     return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps)
 
 
 @functools.cache
 def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
-    return _config(n, FWD_LADDER_FP32 if dtype.itemsize == 4 else FWD_LADDER, *FWD_SPLIT)
+    if dtype.itemsize == 4:
+        return _config(n, FWD_LADDER_FP32, *FWD_SPLIT_FP32)
+    return _config(n, FWD_LADDER, *FWD_SPLIT)
 
 
 @functools.cache
