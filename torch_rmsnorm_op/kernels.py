@@ -69,8 +69,8 @@ def _load_rows(ptrs, mask, POLICY: tl.constexpr):
 @triton.jit
 def _publish(value, SLOTS, chunk, PHASE: tl.constexpr):
     """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row, as one
-    64-bit word, ready flag (bit 32) and value together, so a reader that sees the flag sees
-    the value: no counter, no fence."""
+    aligned 64-bit word (read whole), ready flag (bit 32) and value together, so a reader that
+    sees the flag sees the value: no counter, no fence."""
     if PHASE != 2:
         bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
         tl.store(SLOTS + chunk, bits | 0x100000000)

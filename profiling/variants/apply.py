@@ -1,7 +1,9 @@
 """Kernel variants for comparison runs on a throwaway GPU copy of the repo (profiling/NOTES.md).
 
 ``python profiling/variants/apply.py NAME [--revert]`` rewrites ``torch_rmsnorm_op/kernels.py``
-in place: each variant is one text replacement of the current code.
+in place: each variant is one text replacement of the current code. Variants of code that is
+gone live in git history: polling the row barrier's counter with volatile loads
+(``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter.
 """
 
 import pathlib
@@ -10,16 +12,6 @@ import sys
 KERNELS = pathlib.Path(__file__).resolve().parents[2] / "torch_rmsnorm_op" / "kernels.py"
 
 VARIANTS = {
-    # Row barrier: every thread polls the counter with volatile loads (one atomic acquire at the end).
-    "volatile_poll": (
-        """    while count < expected:
-        count = tl.atomic_add(COUNTER, 0, sem="acquire")
-""",
-        """    while count < expected:
-        count = tl.load(COUNTER, volatile=True)
-    tl.atomic_add(COUNTER, 0, sem="acquire")
-""",
-    ),
     # Streaming hint on the single-pass forward's x load (x is read once; Inductor's kernels
     # mark such loads).
     "evict_first_fwd": (
@@ -31,12 +23,10 @@ VARIANTS = {
     ),
     # The same on the single-pass backward's x and dy loads.
     "evict_first_bwd": (
-        """            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)""",
-        """            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)""",
+        """            x = _load_rows(x_ptrs, mask, "evict_last" if RELOAD else "")
+            dy = _load_rows(dy_ptrs, mask, "evict_last" if RELOAD else "")""",
+        """            x = _load_rows(x_ptrs, mask, "evict_last" if RELOAD else "evict_first")
+            dy = _load_rows(dy_ptrs, mask, "evict_last" if RELOAD else "evict_first")""",
     ),
 }
 
