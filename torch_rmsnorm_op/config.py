@@ -106,7 +106,8 @@ def cdiv(a: int, b: int) -> int:
 class KernelConfig:
     """One launch shape: ``rows`` rows of ``block_n`` columns per program, or, with
     ``split > 1``, each row spread over ``split`` programs of ``block_n`` columns.
-    ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch);
+    ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch) and the
+    forward's in split mode;
     ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
     ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice;
     ``reload`` (single-pass backward) reads x and dy again after the row sum."""
