@@ -118,7 +118,7 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
             return "x's last dimension is not contiguous"
         return "x's rows cannot be addressed with a single row stride"
     if device.type == "cuda":
-        # Split mode needs all of a row's programs resident at once (they meet at a barrier):
+        # Split mode needs all of a row's programs resident at once (each waits for the others' partials):
         # never more of them than the GPU has multiprocessors.
         split = max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split)
         if split > sm_count(device):

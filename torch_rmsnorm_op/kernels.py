@@ -120,7 +120,7 @@ def _rms_norm_fwd(
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
-    PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
+    PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
 ):
     if LOOPED:
@@ -158,7 +158,7 @@ def _rms_norm_fwd(
     else:
         # Split mode, as in the backward: SPLIT programs per row group walk the group's rows,
         # three in flight (row i waits for its total, row i + 1's partial is published, row
-        # i + 2 is being loaded); rows past M are phantoms with barrier slots of their own.
+        # i + 2 is being loaded); rows past M are phantoms with slots of their own.
         pid = tl.program_id(0).to(tl.int64)
         chunk = pid % SPLIT
         row_start = pid // SPLIT * rows_per_group
@@ -221,7 +221,7 @@ def _rms_norm_bwd(
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     SPLIT: tl.constexpr,
-    PHASE: tl.constexpr,  # split mode: 0 = barrier; 1 = partials only; 2 = finish only
+    PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
     RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
 ):
