@@ -3,7 +3,7 @@
 #   bash profiling/gpu_run.sh results OUTDIR   benchmark sweep, check, demo, training runs
 #   bash profiling/gpu_run.sh tests OUTDIR     the whole test suite on CUDA
 #   bash profiling/gpu_run.sh tune OUTDIR JOBS [VARIANT VARIANT_JOBS]...
-#       profiling/tune.py --near over JOBS (pass:dtype:N,...), then for each VARIANT
+#       profiling/tune.py --near (or $TUNE_FLAGS) over JOBS (pass:dtype:N,...), then for each VARIANT
 #       (profiling/variants/apply.py) the same over its jobs; then, if $TESTS is set, those
 #       pytest arguments (time limit $TEST_TIMEOUT seconds, default 240).
 set -u -o pipefail
@@ -25,7 +25,7 @@ if [ "$what" = tests ]; then
   exit 0
 fi
 if [ "$what" = tune ]; then
-  timeout "${TUNE_TIMEOUT:-200}" python3 profiling/tune.py --near --out "$out" --jobs "$1" --tag near 2>&1 | tee -a "$log"
+  timeout "${TUNE_TIMEOUT:-200}" python3 profiling/tune.py ${TUNE_FLAGS:---near} --out "$out" --jobs "$1" --tag near 2>&1 | tee -a "$log"
   shift
   while [ $# -ge 2 ]; do
     python3 profiling/variants/apply.py "$1" | tee -a "$log"

@@ -3,7 +3,8 @@
 Times the launchers directly (GPU time, ``triton.testing.do_bench`` median, after
 a correctness check against the float64 reference), x of 256 MiB as in the
 benchmark. ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
-table's neighbours, ``--table`` only the table's config (to compare kernel variants);
+table's neighbours, ``--table`` only the table's config (to compare kernel variants),
+``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``);
 ``profiling/host_overhead.py`` breaks down the host cost of a call.
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table]``;
 writes ``DIR/<tag>.json``.
@@ -56,18 +57,39 @@ def bwd_candidates(n):
     return out
 
 
+def staged(cfg: KernelConfig) -> list[KernelConfig]:
+    """``cfg`` with its loops' loads in the loop (``stages`` 1) or prefetched into shared memory
+    (2 to 4: 1 to 3 iterations ahead); in split mode also twice the warps or programs per SM, or
+    half the warps, with prefetching; in the backward with ``reload``, prefetching instead of the
+    second read."""
+    out = [dataclasses.replace(cfg, stages=s) for s in (1, 2, 3, 4)]
+    if cfg.split > 1:
+        out += [dataclasses.replace(cfg, stages=s, **{f: getattr(cfg, f) * 2})
+                for s in (2, 3) for f in ("num_warps", "programs_per_sm")]
+        out += [dataclasses.replace(cfg, stages=s, num_warps=cfg.num_warps // 2) for s in (2, 3) if cfg.num_warps > 1]
+    if cfg.reload:
+        out += [dataclasses.replace(cfg, stages=s, reload=False) for s in (2, 3)]
+    return [c for c in out if c != cfg]
+
+
+def _split_forwards(row: int) -> list[KernelConfig]:
+    """Split-mode forwards for a row of ``row`` (a power of two) columns, from N = 32768 on."""
+    shapes = ((8192, 4), (8192, 8), (16384, 8))
+    return [KernelConfig(b, 1, w, split=row // b, programs_per_sm=2, stages=2) for b, w in shapes
+            if row >= 32768 and row // b >= 2]
+
+
 def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
     """The table's config with one parameter halved or doubled at a time (``--near``), and the
     other forward forms for its N."""
     if cfg.looped:  # warps and columns per step; the whole row in registers; split mode
         row = triton.next_power_of_2(n)
         out = [dataclasses.replace(cfg, num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2) if 1 <= w <= 32]
+        out += staged(cfg)
         out += [dataclasses.replace(cfg, block_n=b) for b in (cfg.block_n // 2, cfg.block_n * 2)
                 if cfg.num_warps * 32 * 4 <= b <= row]
         out += [KernelConfig(row, 1, w) for w in (8, 16, 32) if row <= 32768]
-        if row >= 32768:
-            out += [KernelConfig(8192, 1, 8, split=row // 8192, programs_per_sm=p) for p in (1, 2)]
-        return out
+        return out + _split_forwards(row)
     fields = ["num_warps"] + (["rows"] if cfg.split == 1 else ["programs_per_sm"])
     if backward and cfg.split == 1:
         fields.append("programs_per_sm")
@@ -81,10 +103,14 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
         out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
         out += [dataclasses.replace(cfg, reload=not cfg.reload, num_warps=w)
                 for w in (cfg.num_warps, cfg.num_warps * 2) if w <= 32]
+    if cfg.split > 1 or backward:
+        out += staged(cfg)
     if cfg.split > 1 and cfg.block_n * cfg.split <= 32768:  # the whole row in one program (at 65536: 5-23%)
         out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm, reload=r)
                 for w in (16, 32) for r in ((False, True) if backward else (False,))]
     row = cfg.block_n * cfg.split
+    if not backward and cfg.split == 1:
+        out += _split_forwards(row)
     if not backward and row >= 8192:  # one row per program, two passes over x (Inductor's loop)
         out += [KernelConfig(b, 1, w, looped=True) for b in (2048, 4096, 8192, row) for w in (8, 16, 32)
                 if b <= row and w * 32 * 4 <= b]
@@ -100,7 +126,8 @@ def bench(fn):
 
 
 def tune(
-    pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False
+    pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False,
+    only_staged: bool = False,
 ) -> list[dict]:
     """Time the table's config and the candidates for one (pass, N, dtype); best first."""
     elem = dtype.itemsize
@@ -116,6 +143,8 @@ def tune(
     table = (backward_config if backward else forward_config)(n, dtype)
     if only_table:
         cands = []
+    elif only_staged:
+        cands = staged(table)
     elif near:
         cands = neighbours(table, backward, n)
     else:
@@ -178,6 +207,7 @@ def main():
     )
     p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
     p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
+    p.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
     p.add_argument("--tag", default="tune", help="output file stem")
     args = p.parse_args()
     src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
@@ -193,7 +223,8 @@ def main():
     }
     for job in args.jobs.split(","):
         pass_name, dtype, n = job.split(":")
-        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table)
+        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table,
+                                      args.staged)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
 

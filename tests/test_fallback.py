@@ -136,3 +136,24 @@ def test_torch_logs_shows_fallbacks():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert "rmsnorm.fwd: PyTorch reference fallback (x dtype torch.float64" in out.stderr or \
         "rmsnorm.fwd: PyTorch reference fallback (cpu tensor" in out.stderr, out.stderr
+
+
+def test_split_mode_needs_resident_programs_and_nvidia(monkeypatch):
+    """Split mode's limits on a CUDA device, decided without one: a row's programs must fit on
+    the SMs at once, and ROCm gets the fallback (the exchange is PTX)."""
+    from torch_rmsnorm_op import fallback
+    from torch_rmsnorm_op.config import backward_config
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert fallback.split_mode_reason(16384, torch.bfloat16, gpu) is None  # single-pass
+    assert fallback.split_mode_reason(1 << 20, torch.float32, gpu) is None  # 128 programs per row
+    split = backward_config(1 << 20, torch.float32).split
+    monkeypatch.setattr(fallback, "sm_count", lambda device: split - 1)
+    assert "more than this GPU's" in fallback.split_mode_reason(1 << 20, torch.float32, gpu)
+    monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert "NVIDIA PTX" in fallback.split_mode_reason(65536, torch.bfloat16, gpu)
+    assert fallback.split_mode_reason(16384, torch.bfloat16, gpu) is None
+

@@ -153,14 +153,16 @@ def test_double_backward_on_the_kernel_path(device):
 
 @pytest.mark.parametrize("k, e", [(0, 1), (1, 1), (1, 2), (2, 2), (4, 3)])
 @pytest.mark.parametrize("with_weight", [True, False])
-def test_split_mode_row_groups(device, k, e, with_weight):
-    """Split mode's row pipeline (three rows in flight per program), forward and backward, at
-    its edges, M = k * G + e rows for a grid of G row groups: one row; groups of one, two and
-    more rows; a last group shorter than the others (it walks phantom rows)."""
+@pytest.mark.parametrize("stages", [1, 3])
+def test_split_mode_row_groups(device, k, e, with_weight, stages):
+    """Split mode's row pipeline, forward and backward, at its edges, M = k * G + e rows for a
+    grid of G row groups: one row; groups of one, two and more rows; a last group shorter than
+    the others (it walks phantom rows); loads in the loop (``stages`` 1) and prefetched two rows
+    ahead into shared memory (3)."""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, sm_count
 
-    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2)
+    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages)
     m, n = k * (cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split) + e, 3000
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
     w = torch.randn(n, device=device) if with_weight else None
@@ -194,17 +196,18 @@ def test_single_pass_backward_forms_agree(device):
     _, rstd = reference.rms_norm_forward(x, None, 1e-6)
     dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
     outs = {}
-    for counted, reload in itertools.product((False, True), (False, True)):
-        cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted, reload=reload)
+    for counted, reload, stages in itertools.product((False, True), (False, True), (1, 3)):
+        cfg = KernelConfig(block_n=64, rows=2, num_warps=1, programs_per_sm=1, counted_loop=counted, reload=reload,
+                           stages=stages)
         groups, per_group = row_groups(m, n, torch.device(device), cfg)
         assert groups >= 2 and m % per_group % cfg.rows != 0, (groups, per_group)  # last group, tile ragged
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
         kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
         torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
-        outs[counted, reload] = dx, dw
-    for reload in (False, True):
-        (dx, dw), (dx_counted, dw_counted) = outs[False, reload], outs[True, reload]
+        outs[counted, reload, stages] = dx, dw
+    for reload, stages in itertools.product((False, True), (1, 3)):
+        (dx, dw), (dx_counted, dw_counted) = outs[False, reload, stages], outs[True, reload, stages]
         assert torch.equal(dx, dx_counted) and torch.equal(dw, dw_counted)
 
 
@@ -217,10 +220,13 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=4096, rows=2, num_warps=16, looped=True)
     with pytest.raises(ValueError, match="reload is single-pass only"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
+    with pytest.raises(ValueError, match="stages must be >= 1"):
+        KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, stages=0)
 
 
 @pytest.mark.parametrize("has_weight", [True, False])
-def test_looped_forward(device, has_weight):
+@pytest.mark.parametrize("stages", [1, 3])
+def test_looped_forward(device, has_weight, stages):
     """The looped forward (``KernelConfig.looped``: one row per program, x read twice in
     ``block_n`` steps), a ragged last step, strided rows: the reference's values."""
     from torch_rmsnorm_op import kernels
@@ -230,7 +236,7 @@ def test_looped_forward(device, has_weight):
     x = torch.randn(m, n + 20, device=device)[:, :n]
     w = torch.randn(n, device=device) if has_weight else None
     y, rstd = torch.full((m, n), float("nan"), device=device), torch.full((m,), float("nan"), device=device)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, KernelConfig(block_n=128, rows=1, num_warps=1, looped=True))
+    kernels.launch_forward(x, w, 1e-6, y, rstd, KernelConfig(block_n=128, rows=1, num_warps=1, looped=True, stages=stages))
     y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)

@@ -36,7 +36,7 @@ FWD_LADDER = (
     (8192, 16384, 4, {}),  # N=8192: 2 rows 95.3% (8 warps 93.4%)
     (16384, 16384, 8, {}),  # 94.0% (16 warps 91.9%)
     (32768, 8192, 32, dict(looped=True)),  # 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%)
-    (65536, 8192, 32, dict(looped=True)),  # 77.5%, bench 79.1% (split 8 x 8192 72.2%, bench 74.4%)
+    # N=65536 and up: split mode (below): 81.4% at 65536 (looped 77.1%; -tune6/e, d)
 )
 # 4-byte dtypes (fp32): single-pass up to N=32768, as first tuned for bf16; the looped rungs
 # were not measured in the benchmark for fp32 (tune.py: N=32768 looped 77.5%, single-pass 87.8%).
@@ -47,19 +47,24 @@ FWD_LADDER_FP32 = (
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
 )
-# Forward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# A persistent grid, three rows in flight per program (kernels.py; -tune5/b_flag_words.json):
-# bf16 N=262144 76.0% (8192 x 8 warps: 60.9%, 61.4% with 1 per SM; 8192 x 4: 75.7%; the
-# earlier one program per (row, chunk): 69.8-70.2%). fp32 takes split mode from N=65536 on,
-# 8192 x 4 there: 79.7% (16384 x 8: 79.1%; one program per (row, chunk): 81.0%).
-FWD_SPLIT = (16384, 8, 2)
-FWD_SPLIT_FP32 = (8192, 4, 2)
+# Forward beyond the ladder, split mode: (columns per program, warps, programs per SM, stages).
+# A persistent grid; at row i a program publishes row i + 1's partial, then waits for row i's
+# total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
+# -tune6/e_asm_exchange.json: bf16 N=262144 84.3% (4 programs per SM 83.7%, stages 3 79.7%, 16
+# warps 66.4%; three rows in registers and no prefetch, as in -final6: 75.5% in -tune6/b), N=65536
+# 81.4% (8192 x 4 warps: 68.8% in -tune6/d); at 32768 the looped rung stays (92.4% vs 81.2%, d).
+# fp32 N=65536 8192 x 4: 81.9% (-tune6/b; three rows in registers 77.7%; 4 per SM 82.7%, but
+# then not all resident at once).
+FWD_SPLIT = (16384, 8, 2, 2)
+FWD_SPLIT_FP32 = (8192, 4, 2, 2)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
 BWD_LADDER = (
-    (256, 8192, 4, dict(programs_per_sm=4)),  # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3)
-    (1024, 4096, 4, dict(programs_per_sm=8)),  # N=1024: 87.6% in -tune3 (82.1% in -tune2; 4 per SM 84.5%)
+    # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3); rows prefetched one tile ahead, 85.5% (-tune6/a)
+    (256, 8192, 4, dict(programs_per_sm=4, stages=2)),
+    # N=1024: 87.6% in -tune3 (82.1% in -tune2; 4 per SM 84.5%); prefetched, 88.5% (87.9%; -tune6/a)
+    (1024, 4096, 4, dict(programs_per_sm=8, stages=2)),
     (4096, 16384, 16, dict(programs_per_sm=2)),  # 86.9% in -tune3 (84.4% in -tune, 86.7% in -tune2)
     (8192, 16384, 16, {}),  # 86.9% in -tune3 (counted 75.0%)
     # N=16384: 82.0% reading x and dy twice (-tune4; once: 80.4%, 78.7%, 80.3%; not counted 75.5%, 76.8%)
@@ -73,15 +78,17 @@ BWD_LADDER_FP32 = (
     (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie)
     (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
 )
-# Backward beyond the ladder, split mode: (columns per program, warps, programs per SM).
-# Three rows in flight per program and flag words instead of a counted barrier
-# (-tune5/b_flag_words.json, bwd alone): bf16 73.3% at N=32768, 69.5% at 65536, 72.1% at
-# 262144 (16 warps: 59.6%, 54.2%, 56.7%; 2 per SM: 71.6%, 54.0%, 70.6%); with a counted
-# barrier 56-60% (-tune5/a); before the pipeline, 56.1%, 53.1%, 49.5%. The columns per
-# program also size the dweight scratch (groups x N; under 2% of dx). profiling/NOTES.md.
-BWD_SPLIT = (8192, 8, 1)
-# fp32: 4096 x 8 warps, 77.3% at N=65536 (8192 x 8: 68.9%; before the pipeline 63.6%).
-BWD_SPLIT_FP32 = (4096, 8, 1)
+# Backward beyond the ladder, split mode: (columns per program, warps, programs per SM, stages).
+# As the forward's split mode, loads prefetched two rows ahead (stages 3), the weight chunk read
+# once per row. bf16 (-tune6/f_bwd_16_warps.json, bwd alone): 16 warps (108 registers) 76.8% at
+# N=65536 (8 warps 59.4%), but 60.8% at 32768 (stages 4: 72.9%) and 75.3% at 262144 (8 warps
+# 78.0%); fp16 N=65536 76.9% (8 warps 77.1%). Two values per configuration, about 60% or 73-78%,
+# fixed per compiled kernel and shape (-tune6/e and f agree within 0.4 points), not explained
+# (profiling/NOTES.md). Three rows in registers without prefetch, as in -final6: 69.5-74.1%.
+# The columns per program also size the dweight scratch (groups x N; under 2% of dx).
+BWD_SPLIT = (8192, 16, 1, 3)
+# fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e).
+BWD_SPLIT_FP32 = (4096, 8, 1, 3)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -110,7 +117,9 @@ class KernelConfig:
     forward's in split mode;
     ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
     ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice;
-    ``reload`` (single-pass backward) reads x and dy again after the row sum."""
+    ``reload`` (single-pass backward) reads x and dy again after the row sum;
+    ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
+    ``stages - 1`` iterations ahead into shared memory."""
 
     block_n: int
     rows: int
@@ -120,16 +129,20 @@ class KernelConfig:
     counted_loop: bool = False
     looped: bool = False
     reload: bool = False
+    stages: int = 1
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
         if self.looped and (self.rows != 1 or self.split != 1):
             raise ValueError(f"KernelConfig: looped needs rows == 1 and split == 1, got {self}")
+        if self.stages < 1:
+            raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
 
 
-def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int,
+            split_stages: int) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, options in ladder:
         if n <= max_n:
@@ -141,7 +154,7 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, **options)
     split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)
-    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps)
+    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps, stages=split_stages)
 
 
 @functools.cache

@@ -118,11 +118,19 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
             return "x's last dimension is not contiguous"
         return "x's rows cannot be addressed with a single row stride"
     if device.type == "cuda":
-        # Split mode needs all of a row's programs resident at once (each waits for the others' partials):
-        # never more of them than the GPU has multiprocessors.
-        split = max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split)
-        if split > sm_count(device):
-            return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
+        return split_mode_reason(n, x.dtype, device)
+    return None
+
+
+def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why split mode (long rows) cannot run rows of ``n`` on this GPU, or None: a row's programs
+    must all be resident at once (each waits for the others' partials), so never more of them
+    than the GPU has multiprocessors; and their exchange is inline NVIDIA PTX (not ROCm)."""
+    split = max(forward_config(n, dtype).split, backward_config(n, dtype).split)
+    if split > sm_count(device):
+        return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
+    if split > 1 and torch.version.hip is not None:
+        return f"N = {n} needs split mode, whose exchange between programs is NVIDIA PTX (kernels.py)"
     return None
 
 

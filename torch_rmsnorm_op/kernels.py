@@ -19,11 +19,12 @@ contiguous, any row stride). Three ways to cover a row:
 - split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
   ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
   group's rows together. Each publishes its partial sum for a row in a slot
-  (``_publish``: flag and value in one 64-bit word) and reads the row's slots
-  until all are set, adding them in one fixed order (``_row_total``); three
-  rows are in flight per program, so a row's slots are mostly full when read.
-  Under the Triton interpreter, which runs programs one after another, the
-  same kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
+  (flag and value in one 64-bit word) and reads the row's slots until all are
+  set, adding them in one fixed order (``_exchange``, one inline PTX statement
+  on the GPU); a program publishes row i + 1 before it waits for row i, and its
+  loads run ahead (``STAGES``), so a row's slots are mostly full when read.
+  Under the Triton interpreter, which runs programs one after another, the same
+  kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
 
 dweight is reduced deterministically: each backward program (single-pass) or
 row group (split) writes one fp32 partial row (scratch is groups x N, never
@@ -67,31 +68,62 @@ def _load_rows(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _slot_word(value):
+    """Split mode: a partial as published, one 64-bit word: ready flag (bit 32) over its fp32 bits,
+    written and read whole, so a reader that sees the flag sees the value: no counter, no fence."""
+    return (value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | 0x100000000
+
+
+# Split mode's exchange, per slot of a row (one thread each): publish this program's word if told
+# to (the slot it owns in the next row), then read the slot until its flag is set. Relaxed
+# gpu-scope accesses: other programs' words come from L2, and by the PTX memory model none of it
+# is a data race. One asm statement, so the publish stays before the wait: Triton's loop
+# pipeliner moves a store that depends on a pipelined load after other work (measured: the
+# exchange then stalls every row), and a polling loop in the kernel would stop the pipeliner
+# altogether (it skips loops with loops inside; a non-inlined function for the loop shared
+# memory with the prefetched rows: wrong results at N = 262144, fp32).
+_EXCHANGE_ASM = tl.constexpr("""{
+.reg .pred p;
+.reg .b64 w;
+setp.ne.b32 p, $3, 0;
+@p st.relaxed.gpu.global.b64 [$2], $4;
+LAB_WAIT:
+ld.relaxed.gpu.global.b64 w, [$1];
+setp.lt.u64 p, w, 4294967296;
+@p bra LAB_WAIT;
+mov.b64 $0, w;
+}""")
+
+
+@triton.jit
 def _publish(value, SLOTS, chunk, PHASE: tl.constexpr):
-    """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row, as one
-    aligned 64-bit word (read whole), ready flag (bit 32) and value together, so a reader that
-    sees the flag sees the value: no counter, no fence."""
+    """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row."""
     if PHASE != 2:
-        bits = value.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-        tl.store(SLOTS + chunk, bits | 0x100000000)
+        tl.atomic_xchg(SLOTS + chunk, _slot_word(value), sem="relaxed")
 
 
 @triton.jit
-def _read_slots(SLOTS, SPLIT: tl.constexpr):
-    """Split mode: the row's SPLIT slot words (volatile: from L2, where other programs wrote)."""
-    return tl.load(SLOTS + tl.arange(0, SPLIT), volatile=True)
-
-
-@triton.jit
-def _row_total(words, SLOTS, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """Split mode: the sum of the row's SPLIT partials in slot order (one fixed order), read
-    again from ``SLOTS`` until every flag is set; ``words`` is a first read, made early so its
-    latency overlaps other work. The launcher zeroes the slots and numbers a row's programs
-    consecutively, all resident at once, so every one gets to publish."""
+def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode: publish ``value``, this program's partial of row ``row + 1``, if ``publish``;
+    then read row ``row``'s SPLIT slots until every flag is set and return the sum of their
+    values in slot order (one fixed order). The launcher zeroes the slots and numbers a row's
+    programs consecutively, so every one gets to publish. Under the interpreter (``PHASE`` 1,
+    then 2) the publishing and the reading run in separate launches, without waiting."""
+    slots = tl.arange(0, SPLIT)
+    total = 0.0
     if PHASE == 0:
-        while tl.min(words >> 32, axis=0) == 0:
-            words = _read_slots(SLOTS, SPLIT)
-    return tl.sum((words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), axis=0)
+        words = tl.inline_asm_elementwise(
+            _EXCHANGE_ASM, "=l,l,l,r,l",
+            [SLOTS + row * SPLIT + slots, SLOTS + (row + 1) * SPLIT + slots,
+             ((slots == chunk) & publish).to(tl.int32), _slot_word(value) + tl.zeros([SPLIT], tl.int64)],
+            dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        if publish:
+            _publish(value, SLOTS + (row + 1) * SPLIT, chunk, PHASE)
+        words = tl.load(SLOTS + row * SPLIT + slots)
+    if PHASE != 1:
+        total = tl.sum((words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), axis=0)
+    return total
 
 
 @triton.jit
@@ -122,18 +154,19 @@ def _rms_norm_fwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
+    STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
         row = tl.program_id(0).to(tl.int64)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
             x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
             x = x.to(tl.float32)
             acc += x * x
         rstd = _rstd(tl.sum(acc, axis=0), N, eps)
-        for start in range(0, N, BLOCK_N):
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
             x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
@@ -156,9 +189,10 @@ def _rms_norm_fwd(
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
-        # Split mode, as in the backward: SPLIT programs per row group walk the group's rows,
-        # three in flight (row i waits for its total, row i + 1's partial is published, row
-        # i + 2 is being loaded); rows past M are phantoms with slots of their own.
+        # Split mode, as in the backward: SPLIT programs per row group walk the group's rows.
+        # At row i a program publishes its partial of row i + 1, then waits for row i's total
+        # (_exchange), so the exchange overlaps a row's work; Triton's pipeliner loads rows
+        # STAGES - 1 ahead into shared memory. Rows past M are phantoms with slots of their own.
         pid = tl.program_id(0).to(tl.int64)
         chunk = pid % SPLIT
         row_start = pid // SPLIT * rows_per_group
@@ -167,15 +201,12 @@ def _rms_norm_fwd(
         offs = tl.arange(0, BLOCK_N)
         width = N - start
         x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
-        x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
         _publish(_sum_sq(x0), SLOTS + row_start * SPLIT, chunk, PHASE)
-        for i in range(0, rows_per_group):
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i
-            x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
-            words = _read_slots(SLOTS + row * SPLIT, SPLIT)
-            if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
-                _publish(_sum_sq(x1), SLOTS + (row + 1) * SPLIT, chunk, PHASE)
-            sum_sq = _row_total(words, SLOTS + row * SPLIT, SPLIT, PHASE)
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
+            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
+            sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = _rstd(sum_sq, N, eps)
                 y = x0.to(tl.float32) * rstd
@@ -183,7 +214,7 @@ def _rms_norm_fwd(
                     y = y * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
                 tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=offs < tl.where(row < M, width, 0))
                 tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
-            x0, x1 = x1, x2
+            x0 = x1
 
 
 @triton.jit
@@ -194,12 +225,21 @@ def _sum_sq(x):
 
 
 @triton.jit
-def _dot(x, dy, W, offs, width, HAS_WEIGHT: tl.constexpr):
-    """This chunk's part of the row's sum of dy * w * x (fp32)."""
+def _dot(x, dy, w, HAS_WEIGHT: tl.constexpr):
+    """This chunk's part of the row's sum of dy * w * x (fp32; ``w`` fp32, unused without a weight)."""
     u = dy.to(tl.float32)
     if HAS_WEIGHT:
-        u = u * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
+        u = u * w
     return tl.sum(u * x.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr):
+    """Split mode: this program's chunk of the weight in fp32 (0.0 without a weight)."""
+    w = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -224,6 +264,7 @@ def _rms_norm_bwd(
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
     RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
+    STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -243,7 +284,7 @@ def _rms_norm_bwd(
             loop_start, loop_end, base = 0, rows_per_group, row_start
         else:
             loop_start, loop_end, base = row_start, row_end, 0
-        for first in range(loop_start, loop_end, ROWS):
+        for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
             rows = base + first + tl.arange(0, ROWS)
             mask = (rows < row_end)[:, None] & col_mask[None, :]
             x_ptrs = X + rows[:, None] * stride_x + cols[None, :]
@@ -273,12 +314,13 @@ def _rms_norm_bwd(
     else:
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
-        # rows), so all SPLIT programs of a group still meet at each one.
-        # Three rows in flight: while the program waits for row i's total, row i + 1's partial
-        # is already published and row i + 2 is being loaded; x and dy stay in their own dtype
-        # until used, and w is re-read from cache, to leave registers for them.
+        # rows), so all SPLIT programs of a group still meet at each one. At row i a program
+        # publishes its partial of row i + 1, then waits for row i's total (_exchange); Triton's
+        # pipeliner loads rows STAGES - 1 ahead into shared memory. x and dy stay in their own
+        # dtype until used, and w is re-read from cache, to leave registers for them.
         # Offsets within the chunk are 32-bit, from pointers moved to the chunk: 64-bit ones took
-        # more registers (Triton 3.6: 220 vs 210 here; the fp32 forward's spilled, 112 B).
+        # more registers (Triton 3.6, session 5's form with three rows in registers: 220 vs 210;
+        # the fp32 forward's spilled, 112 B).
         start = chunk * BLOCK_N
         X, DY, DX, W = X + start, DY + start, DX + start, W + start
         offs = tl.arange(0, BLOCK_N)
@@ -286,30 +328,28 @@ def _rms_norm_bwd(
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
         dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group)
-        x1 = _load_chunk(X, stride_x, row_start, 1, offs, width, M, rows_per_group)
-        dy1 = _load_chunk(DY, stride_dy, row_start, 1, offs, width, M, rows_per_group)
-        _publish(_dot(x0, dy0, W, offs, width, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)
-        for i in range(0, rows_per_group):
+        _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
+                 chunk, PHASE)
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i
-            x2 = _load_chunk(X, stride_x, row_start, i + 2, offs, width, M, rows_per_group)
-            dy2 = _load_chunk(DY, stride_dy, row_start, i + 2, offs, width, M, rows_per_group)
-            words = _read_slots(SLOTS + row * SPLIT, SPLIT)
-            if i + 1 < rows_per_group:  # row + 1 is the next group's first row otherwise
-                _publish(_dot(x1, dy1, W, offs, width, HAS_WEIGHT), SLOTS + (row + 1) * SPLIT, chunk, PHASE)
-            dot = _row_total(words, SLOTS + row * SPLIT, SPLIT, PHASE)
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
+            dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, offs, width, M, rows_per_group)
+            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
+            w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
+            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
             if PHASE != 1:
                 x = x0.to(tl.float32)
                 dy = dy0.to(tl.float32)
                 u = dy
                 if HAS_WEIGHT:
-                    u = dy * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
+                    u = dy * w
                 rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
                 dx = (u - x * (rstd * rstd * (dot / N))) * rstd
                 tl.store(DX + row * stride_dx + offs, dx.to(DX.dtype.element_ty),
                          mask=offs < tl.where(row < M, width, 0))
                 if HAS_WEIGHT:
                     dw_acc += dy * x * rstd
-            x0, dy0, x1, dy1 = x1, dy1, x2, dy2
+            x0, dy0 = x1, dy1
         if PHASE != 1 and HAS_WEIGHT:
             tl.store(DW_PARTIAL + group * N + start + offs, dw_acc, mask=offs < width)
 
@@ -384,8 +424,8 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
     kernel's parameter order (``PHASE`` 0: one launch)."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
-        return out | dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload)
-    return out | dict(LOOPED=cfg.looped)
+        return out | dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages)
+    return out | dict(LOOPED=cfg.looped, STAGES=cfg.stages)
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
