@@ -6,7 +6,7 @@ benchmark. ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
 table's neighbours, ``--table`` only the table's config (to compare kernel variants),
 ``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``);
 ``profiling/host_overhead.py`` breaks down the host cost of a call.
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table]``;
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table | --staged]``;
 writes ``DIR/<tag>.json``.
 """
 

@@ -156,4 +156,3 @@ def test_split_mode_needs_resident_programs_and_nvidia(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert "NVIDIA PTX" in fallback.split_mode_reason(65536, torch.bfloat16, gpu)
     assert fallback.split_mode_reason(16384, torch.bfloat16, gpu) is None
-
