@@ -151,7 +151,7 @@ def tune(
         cands = bwd_candidates(n) if backward else fwd_candidates(n)
     kernels.launch_forward(x, w, 1e-6, y, rstd)
     rows = []
-    for cfg in [table] + [c for c in cands if c != table]:
+    for cfg in dict.fromkeys([table] + cands):  # each config once, the table's first
         try:
             if backward:
                 ws = kernels.backward_workspace(m, n, x.device, dtype, cfg)

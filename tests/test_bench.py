@@ -29,8 +29,8 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
 def test_table_fits_in_registers():
     """``profiling/resource_usage.py`` compiles the table's configs for the H200 without a GPU:
     the 2-byte forward configs at the benchmark's N and the 2-byte split-mode backward ones must
-    not spill (split backward 16384 columns x 8 warps, a neighbour of the table's: 255 registers
-    and 544 B of stack under Triton 3.6, 36% of copy against 70% for the table's 8192 x 8)."""
+    not spill (split backward 16384 columns x 8 warps, session 5: 255 registers and 544 B of
+    stack under Triton 3.6, 36% of copy against 70% for 8192 x 8)."""
     jobs = [f"fwd:{dtype}:{n}" for dtype in ("bfloat16", "float16")
             for n in (256, 1024, 4096, 8192, 16384, 32768, 65536, 262144)]
     jobs += [f"bwd:{dtype}:{n}" for dtype in ("bfloat16", "float16") for n in (32768, 65536, 262144)]

@@ -6,8 +6,9 @@ Math (``reference.py`` is the oracle), per row ``x`` of length ``N``::
     u = dy * w,  c = mean(u * x)                 dx = rstd * (u - x * rstd**2 * c)
     dw = sum over rows of dy * x * rstd
 
-All arithmetic is fp32; offsets are 64-bit; rows may be strided (last dim
-contiguous, any row stride). Three ways to cover a row:
+All arithmetic is fp32; row offsets are 64-bit (split mode's offsets within a
+chunk are 32-bit, from pointers moved to the chunk); rows may be strided (last
+dim contiguous, any row stride). Three ways to cover a row:
 
 - single-pass mode (``SPLIT == 1``): a program holds ``ROWS`` whole rows in
   registers and reads x once; the backward with ``RELOAD`` reads x and dy a
