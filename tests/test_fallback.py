@@ -145,14 +145,15 @@ def test_split_mode_needs_resident_programs_and_nvidia(monkeypatch):
     from torch_rmsnorm_op.config import backward_config
 
     gpu = torch.device("cuda", 0)
+    split_mode_reason = fallback.split_mode_reason.__wrapped__  # the decision, not its cache
     monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch.version, "hip", None)
-    assert fallback.split_mode_reason(16384, torch.bfloat16, gpu) is None  # single-pass
-    assert fallback.split_mode_reason(1 << 20, torch.float32, gpu) is None  # 128 programs per row
+    assert split_mode_reason(16384, torch.bfloat16, gpu) is None  # single-pass
+    assert split_mode_reason(1 << 20, torch.float32, gpu) is None  # 128 programs per row
     split = backward_config(1 << 20, torch.float32).split
     monkeypatch.setattr(fallback, "sm_count", lambda device: split - 1)
-    assert "more than this GPU's" in fallback.split_mode_reason(1 << 20, torch.float32, gpu)
+    assert "more than this GPU's" in split_mode_reason(1 << 20, torch.float32, gpu)
     monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch.version, "hip", "6.2")
-    assert "NVIDIA PTX" in fallback.split_mode_reason(65536, torch.bfloat16, gpu)
-    assert fallback.split_mode_reason(16384, torch.bfloat16, gpu) is None
+    assert "NVIDIA PTX" in split_mode_reason(65536, torch.bfloat16, gpu)
+    assert split_mode_reason(16384, torch.bfloat16, gpu) is None

@@ -1,12 +1,16 @@
 """``rms_norm`` and ``RMSNorm`` against ``torch.nn.functional.rms_norm`` / ``nn.RMSNorm``:
 PyTorch's own OpInfo samples and error inputs, dtypes, gradients, and the module contract."""
 
+import contextlib
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import torch_rmsnorm_op as T
+from torch_rmsnorm_op import ops
 
 # The samples of PyTorch's OpInfo for nn.functional.rms_norm (input shape,
 # normalized_shape, kwargs), with and without weight.
@@ -238,3 +242,75 @@ def test_cpu_autocast_matches_torch():
         y, y_ref = T.rms_norm(h, (64,), w), F.rms_norm(h, (64,), w)
     assert y.dtype == y_ref.dtype
     torch.testing.assert_close(y, y_ref, atol=2**-6, rtol=2**-6)
+
+
+def _dispatched(monkeypatch) -> list:
+    """Record, for each forward ``rms_norm`` makes, whether it went through the dispatcher:
+    ``True`` when the op's registered implementation ran it, ``False`` when ``rms_norm`` did."""
+    calls, forward = [], ops._forward
+
+    def spy(*args):
+        calls.append(sys._getframe(1).f_code is not T.rms_norm.__code__)
+        return forward(*args)
+
+    monkeypatch.setattr(ops, "_forward", spy)
+    return calls
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+# Contexts in which the dispatcher has work to do (or sees the call), and one without.
+DISPATCHING = {
+    "grad needed": lambda x, w: (x.requires_grad_(), contextlib.nullcontext()),
+    "weight grad needed": lambda x, w: (w.requires_grad_(), contextlib.nullcontext()),
+    "dispatch mode": lambda x, w: (None, _PassThroughMode()),
+    "function mode": lambda x, w: (None, _PassThroughFunctionMode()),
+    "autocast": lambda x, w: (None, torch.autocast(x.device.type, dtype=torch.bfloat16)),
+    "profiler": lambda x, w: (None, torch.profiler.profile()),
+}
+
+
+@pytest.mark.parametrize("case", list(DISPATCHING))
+def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, monkeypatch, case):
+    """Eager, without a gradient, mode, autocast or profiler, ``rms_norm`` calls the op's
+    implementation without the dispatcher (the same code, bit for bit); in each of those
+    contexts it goes through ``torch.ops.rmsnorm.fwd``."""
+    x, w = torch.randn(6, 40, device=device), torch.randn(40, device=device)
+    want = torch.ops.rmsnorm.fwd(x, w, 1e-6)[0]
+    calls = _dispatched(monkeypatch)
+    torch.testing.assert_close(T.rms_norm(x, (40,), w, 1e-6), want, atol=0, rtol=0)
+    with torch.no_grad():
+        y = T.rms_norm(x.detach().requires_grad_(), (40,), nn.Parameter(w), 1e-6)
+    torch.testing.assert_close(y, want, atol=0, rtol=0)
+    assert calls == [False, False]
+    _, context = DISPATCHING[case](x, w)
+    with context:
+        y = T.rms_norm(x, (40,), w, 1e-6)
+    assert calls[2:] == [True], case
+    if y.dtype == want.dtype:
+        torch.testing.assert_close(y.detach(), want, atol=0, rtol=0)
+
+
+def test_subclass_meta_and_negative_inputs_are_dispatched(device, monkeypatch):
+    """Tensors the dispatcher treats specially (subclasses, meta tensors, negative views)
+    go through it, and come out as torch's own."""
+    x, w = torch.randn(3, 16, device=device), torch.randn(16, device=device)
+    calls = _dispatched(monkeypatch)
+    torch.testing.assert_close(T.rms_norm(x.as_subclass(_Subclass), (16,), w).as_subclass(torch.Tensor),
+                               F.rms_norm(x, (16,), w), **TOL[torch.float32])
+    assert T.rms_norm(torch.empty(3, 16, device="meta"), (16,), None).device.type == "meta"
+    negative = torch._neg_view(x)
+    torch.testing.assert_close(T.rms_norm(negative, (16,), w), F.rms_norm(-x, (16,), w), **TOL[torch.float32])
+    assert calls == [True, True]  # meta tensors take the fake implementation: no forward at all

@@ -48,6 +48,56 @@ def test_output_metadata(device):
     torch.testing.assert_close(y.double(), y_ref, atol=2**-7, rtol=2**-7)
 
 
+def test_launch_key_is_at_least_as_fine_as_tritons():
+    """``kernels._specialization`` tells apart every pair of arguments Triton's JIT compiles
+    apart (its own ``native_specialize_impl``), so a compiled kernel launched directly is the
+    one the JIT would have picked."""
+    try:
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.compiler import BaseBackend
+    except ImportError:
+        pytest.skip("this Triton has no native_specialize_impl to compare with")
+    from torch_rmsnorm_op import kernels
+
+    t = torch.empty(64)
+    samples = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63, 1e-6, 0.5,
+               t, t[1:], t[4:], t[2:], t.half(), t.half()[1:], t.bfloat16(), t.double()]
+    for a, b in itertools.product(samples, repeat=2):
+        if kernels._specialization([a]) == kernels._specialization([b]):
+            assert native_specialize_impl(BaseBackend, a, False, True, True) == \
+                native_specialize_impl(BaseBackend, b, False, True, True), (a, b)
+
+
+@pytest.mark.cuda
+def test_compiled_launches_match_the_jit():
+    """The second launch of a specialization goes through the compiled kernel's own launcher
+    (``kernels._run``): the same bits as the JIT's first, for aligned and misaligned rows,
+    M = 1 (Triton turns an int 1 into a constant) and odd N, in any order, forward and backward."""
+    from torch_rmsnorm_op import kernels
+
+    base = torch.randn(70 * 64 + 8, device="cuda", dtype=torch.bfloat16)
+    views = [base[:70 * 64].view(70, 64), base[1:1 + 70 * 64].view(70, 64), base[:64].view(1, 64),
+             base[3:3 + 7 * 17].view(7, 17), base[:64].view(1, 64)]
+    w = {n: torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (64, 17)}
+    kernels._COMPILED.clear()
+    results = []
+    for x in views * 2:  # first pass through the JIT (but the repeated view), second launched directly
+        y, rstd = torch.ops.rmsnorm.fwd(x, w[x.shape[1]], 1e-6)
+        dy = torch.randn_like(y)
+        results.append((x, y, rstd, dy, *torch.ops.rmsnorm.bwd(dy, x, w[x.shape[1]], rstd)))
+    assert kernels._COMPILED, "no kernel was launched directly"
+    for x, y, _, dy, dx, dw in results:
+        want_y, want_rstd = reference.rms_norm_forward(x.double(), w[x.shape[1]].double(), 1e-6)
+        torch.testing.assert_close(y.double(), want_y, atol=2**-6, rtol=2**-6)
+        want_dx, want_dw = reference.rms_norm_backward(dy.double(), x.double(), w[x.shape[1]].double(), want_rstd)
+        torch.testing.assert_close(dx.double(), want_dx, atol=2**-5, rtol=2**-5)
+        torch.testing.assert_close(dw.double(), want_dw, atol=2**-3, rtol=2**-5)
+    for first, second in zip(results[:5], results[5:]):
+        recomputed = torch.ops.rmsnorm.bwd(first[3], first[0], w[first[0].shape[1]], first[2])
+        assert torch.equal(first[1], second[1]) and torch.equal(first[4], recomputed[0])
+        assert torch.equal(first[5], recomputed[1])
+
+
 def test_op_matches_launcher_bitwise(device):
     """The op path and the campaign's launcher path are the same computation."""
     from torch_rmsnorm_op import kernels

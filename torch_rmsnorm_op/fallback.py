@@ -122,6 +122,7 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
     return None
 
 
+@functools.cache  # its inputs are fixed per (n, dtype, device); it runs on every CUDA call
 def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why split mode (long rows) cannot run rows of ``n`` on this GPU, or None: a row's programs
     must all be resident at once (each waits for the others' partials), so never more of them

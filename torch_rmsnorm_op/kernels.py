@@ -429,18 +429,58 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
     return out | dict(LOOPED=cfg.looped, STAGES=cfg.stages)
 
 
+def _specialization(args: list) -> tuple:
+    """What Triton's JIT specializes kernel arguments on, or finer: per tensor its dtype and
+    16-byte alignment; per int whether it is 1, a multiple of 16, in int32 range, beyond int64;
+    anything else (the fp32 eps) by type."""
+    return tuple([
+        (a.dtype, a.data_ptr() & 15 == 0) if type(a) is Tensor
+        else (a == 1, a & 15 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
+        else type(a)
+        for a in args
+    ])
+
+
+# Compiled kernels by (kernel, device, constexprs, num_warps, argument keys). Triton's JIT
+# dispatch (binding the arguments, its cache key, the lookup) costs about as much host time
+# as the launch itself (profiling/NOTES.md, sessions 3 and 7), on every call; once it has
+# compiled a specialization, ``_run`` launches that through the compiled kernel's own launcher.
+_COMPILED: dict[tuple, object] = {}
+_STREAM = None
+
+
+def _run(kernel, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4) -> None:
+    """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on the current
+    device: through Triton's JIT the first time a specialization is seen (and always when
+    interpreted), through the compiled kernel's launcher after that."""
+    if is_interpreted():
+        kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
+        return
+    global _STREAM
+    if _STREAM is None:
+        _STREAM = triton.runtime.driver.active.get_current_stream
+    device = torch.cuda.current_device()
+    key = (kernel, device, num_warps, *consts.values(), _specialization(args))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
+        return
+    # The compiled launcher takes every parameter in order, constexprs included.
+    compiled[grid + (1,) * (3 - len(grid))](*args, *consts.values(), stream=_STREAM(device))
+
+
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
             has_weight: bool, pad_rows: int = 0) -> None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
     row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
-    meta = constexprs(cfg, kernel is _rms_norm_bwd, has_weight) | dict(num_warps=cfg.num_warps, **COMPILE_OPTIONS)
+    consts = constexprs(cfg, kernel is _rms_norm_bwd, has_weight)
     if cfg.split == 1:
-        kernel[(grid,)](*before, before[0], *after, **meta)
+        _run(kernel, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
         return
     # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
     slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
     for phase in (1, 2) if is_interpreted() else (0,):
-        kernel[(grid,)](*before, slots, *after, **dict(meta, PHASE=phase))
+        _run(kernel, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
 
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
@@ -470,6 +510,9 @@ def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
     return torch.empty((groups + reduce_splits(groups, n, device), n), dtype=torch.float32, device=device)
 
 
+_REDUCE_CONSTS = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+
+
 def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) -> None:
     """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order: one
     stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows)."""
@@ -478,13 +521,9 @@ def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) 
     with _on(partial.device):
         if mid is not None and mid.shape[0] > 1:
             splits = mid.shape[0]
-            _rms_norm_dw_reduce[(tiles, splits)](
-                partial, mid, p, n, cdiv(p, splits), BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, **COMPILE_OPTIONS,
-            )
+            _run(_rms_norm_dw_reduce, (tiles, splits), [partial, mid, p, n, cdiv(p, splits)], _REDUCE_CONSTS)
             partial, p = mid, splits
-        _rms_norm_dw_reduce[(tiles, 1)](
-            partial, dweight, p, n, p, BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N, **COMPILE_OPTIONS
-        )
+        _run(_rms_norm_dw_reduce, (tiles, 1), [partial, dweight, p, n, p], _REDUCE_CONSTS)
 
 
 def launch_backward(

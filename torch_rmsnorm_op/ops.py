@@ -59,6 +59,11 @@ _LIB.define("bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx
 
 def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
+    return _forward(x, weight, eps)
+
+
+def _forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """``rmsnorm::fwd`` on arguments that meet its contract (``check_forward_args``)."""
     n = x.shape[-1]
     if n > 0 and not _kernels_serve("rmsnorm.fwd", x, weight):
         with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
@@ -163,25 +168,60 @@ def _transform_reason() -> str | None:
     return None
 
 
+_PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
+    """Whether dispatching ``rmsnorm::fwd`` on these inputs, here and now, would only reach
+    ``rms_norm_fwd``: eager (not traced), no gradient to record, no autocast, no torch function
+    or dispatch mode, no profiler (it names the op in traces), plain strided CPU or CUDA tensors
+    (no subclass, nested tensor, negative bit). ``rms_norm`` then calls the op's implementation
+    directly: the dispatcher's Python kernels (autograd, then the op) cost more host time than
+    the launch (profiling/NOTES.md, session 7). The caller has ruled out torch.func transforms
+    and forward-mode AD."""
+    if weight is not None and (
+        type(weight) not in _PLAIN_WEIGHT_TYPES or weight.layout != torch.strided or weight.is_neg()
+    ):
+        return False
+    return (
+        type(input) is Tensor
+        and (input.is_cuda or input.is_cpu)
+        and input.layout == torch.strided
+        and not input.is_nested
+        and not input.is_neg()
+        and not (torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)))
+        and not torch._C._is_any_autocast_enabled()
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._autograd._profiler_enabled()
+    )
+
+
 def rms_norm(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
 ) -> Tensor:
     """``torch.nn.functional.rms_norm`` backed by ``torch.ops.rmsnorm``: same signature, defaults
     (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes and gradients.
-    ``normalized_shape`` may span several trailing dims; complex inputs take the reference path."""
+    ``normalized_shape`` may span several trailing dims; complex inputs take the reference path.
+    In eager mode, when the dispatcher has nothing to add (no gradient, mode, autocast,
+    subclass, profiler), the op's implementation is called without it: the same code."""
     shape = check_functional_args(input, normalized_shape, weight)
     if eps is None:
         eps = reference.default_eps(input.dtype)
     if input.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("rms_norm", f"complex dtype {input.dtype}")
         return reference.rms_norm_reference(input, shape, weight, eps)
-    transform = None if torch.compiler.is_compiling() else _transform_reason()
-    if transform is not None:
-        record_fallback("rms_norm", transform)
-        return reference.rms_norm_reference(input, shape, weight, eps)
+    fwd = torch.ops.rmsnorm.fwd
+    if not torch.compiler.is_compiling():
+        transform = _transform_reason()
+        if transform is not None:
+            record_fallback("rms_norm", transform)
+            return reference.rms_norm_reference(input, shape, weight, eps)
+        if _nothing_to_dispatch(input, weight):
+            fwd = _forward  # check_functional_args has checked what check_forward_args would
     if len(shape) == 1:
-        return torch.ops.rmsnorm.fwd(input, weight, float(eps))[0]
+        return fwd(input, weight, float(eps))[0]
     n = math.prod(shape)
     x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
-    y, _ = torch.ops.rmsnorm.fwd(x, None if weight is None else weight.reshape(n), float(eps))
+    y, _ = fwd(x, None if weight is None else weight.reshape(n), float(eps))
     return y.view(input.shape)
