@@ -303,9 +303,9 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
         torch.testing.assert_close(y.detach(), want, atol=0, rtol=0)
 
 
-def test_subclass_meta_and_negative_inputs_are_dispatched(device, monkeypatch):
-    """Tensors the dispatcher treats specially (subclasses, meta tensors, negative views)
-    go through it, and come out as torch's own."""
+def test_subclass_meta_negative_and_vmapped_inputs_are_dispatched(device, monkeypatch):
+    """Tensors the dispatcher treats specially (subclasses, meta tensors, negative views,
+    vmap's batched tensors) go through it, and come out as torch's own."""
     x, w = torch.randn(3, 16, device=device), torch.randn(16, device=device)
     calls = _dispatched(monkeypatch)
     torch.testing.assert_close(T.rms_norm(x.as_subclass(_Subclass), (16,), w).as_subclass(torch.Tensor),
@@ -313,4 +313,7 @@ def test_subclass_meta_and_negative_inputs_are_dispatched(device, monkeypatch):
     assert T.rms_norm(torch.empty(3, 16, device="meta"), (16,), None).device.type == "meta"
     negative = torch._neg_view(x)
     torch.testing.assert_close(T.rms_norm(negative, (16,), w), F.rms_norm(-x, (16,), w), **TOL[torch.float32])
-    assert calls == [True, True]  # meta tensors take the fake implementation: no forward at all
+    batch = torch.stack([x, 2 * x])
+    torch.testing.assert_close(torch.func.vmap(lambda a: T.rms_norm(a, (16,), w))(batch),
+                               F.rms_norm(batch, (16,), w), **TOL[torch.float32])
+    assert calls == [True, True, True]  # meta tensors take the fake implementation: no forward at all

@@ -441,7 +441,7 @@ def _specialization(args: list) -> tuple:
     ])
 
 
-# Compiled kernels by (kernel, device, constexprs, num_warps, argument keys). Triton's JIT
+# Compiled kernels by (kernel, device index, num_warps, constexprs, argument keys). Triton's JIT
 # dispatch (binding the arguments, its cache key, the lookup) costs about as much host time
 # as the launch itself (profiling/NOTES.md, sessions 3 and 7), on every call; once it has
 # compiled a specialization, ``_run`` launches that through the compiled kernel's own launcher.
@@ -449,24 +449,23 @@ _COMPILED: dict[tuple, object] = {}
 _STREAM = None
 
 
-def _run(kernel, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4) -> None:
-    """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on the current
-    device: through Triton's JIT the first time a specialization is seen (and always when
-    interpreted), through the compiled kernel's launcher after that."""
+def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4) -> None:
+    """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on ``device``,
+    the current device: through Triton's JIT the first time a specialization is seen (and
+    always when interpreted), through the compiled kernel's launcher after that."""
     if is_interpreted():
         kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
         return
     global _STREAM
     if _STREAM is None:
         _STREAM = triton.runtime.driver.active.get_current_stream
-    device = torch.cuda.current_device()
-    key = (kernel, device, num_warps, *consts.values(), _specialization(args))
+    key = (id(kernel), device.index, num_warps, *consts.values(), _specialization(args))
     compiled = _COMPILED.get(key)
     if compiled is None:
         _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
         return
     # The compiled launcher takes every parameter in order, constexprs included.
-    compiled[grid + (1,) * (3 - len(grid))](*args, *consts.values(), stream=_STREAM(device))
+    compiled[grid + (1,) * (3 - len(grid))](*args, *consts.values(), stream=_STREAM(device.index))
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
@@ -475,12 +474,12 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
     row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
     consts = constexprs(cfg, kernel is _rms_norm_bwd, has_weight)
     if cfg.split == 1:
-        _run(kernel, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
+        _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
         return
     # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
     slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
     for phase in (1, 2) if is_interpreted() else (0,):
-        _run(kernel, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
+        _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
 
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
@@ -493,12 +492,13 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if m == 0:
         return
     cfg = cfg or forward_config(n, x.dtype)
+    device = x.device
     grid, rows_per_group = cdiv(m, cfg.rows), 0
     if cfg.split > 1:
-        groups, rows_per_group = row_groups(m, n, x.device, cfg)
+        groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
-    with _on(x.device):
-        _launch(_rms_norm_fwd, grid, m, x.device, cfg, [x, x if weight is None else weight, y, rstd],
+    with _on(device):
+        _launch(_rms_norm_fwd, grid, m, device, cfg, [x, x if weight is None else weight, y, rstd],
                 [row_stride(x), row_stride(y), m, n, eps, rows_per_group], weight is not None, pad_rows=rows_per_group)
 
 
@@ -521,9 +521,10 @@ def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) 
     with _on(partial.device):
         if mid is not None and mid.shape[0] > 1:
             splits = mid.shape[0]
-            _run(_rms_norm_dw_reduce, (tiles, splits), [partial, mid, p, n, cdiv(p, splits)], _REDUCE_CONSTS)
+            _run(_rms_norm_dw_reduce, partial.device, (tiles, splits), [partial, mid, p, n, cdiv(p, splits)],
+                 _REDUCE_CONSTS)
             partial, p = mid, splits
-        _run(_rms_norm_dw_reduce, (tiles, 1), [partial, dweight, p, n, p], _REDUCE_CONSTS)
+        _run(_rms_norm_dw_reduce, partial.device, (tiles, 1), [partial, dweight, p, n, p], _REDUCE_CONSTS)
 
 
 def launch_backward(
