@@ -86,7 +86,7 @@ BWD_LADDER_FP32 = (
 # fixed per compiled kernel and shape (-tune6/e and f agree within 0.4 points), not explained
 # (profiling/NOTES.md). Three rows in registers without prefetch, as in -final6: 69.5-74.1%.
 # Stages 4 (three rows ahead) was fast at every shape measured: 72.9% at 32768, 75.3% at
-# 65536, 74.2% at 262144, fp16 65536 76.4% (-tune6/f).
+# 65536, 74.2% at 262144, fp16 65536 76.4% (-tune6/f); fwd+bwd at 32768 72.4% -> 81.4% (-final8).
 # The columns per program also size the dweight scratch (groups x N; under 2% of dx).
 BWD_SPLIT = (8192, 16, 1, 4)
 # fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e).
