@@ -317,3 +317,14 @@ def test_subclass_meta_negative_and_vmapped_inputs_are_dispatched(device, monkey
     torch.testing.assert_close(torch.func.vmap(lambda a: T.rms_norm(a, (16,), w))(batch),
                                F.rms_norm(batch, (16,), w), **TOL[torch.float32])
     assert calls == [True, True, True]  # meta tensors take the fake implementation: no forward at all
+
+
+def test_jit_trace_records_the_op(device):
+    """``torch.jit.trace`` records ``rmsnorm::fwd`` (a direct call would leave the kernel out of
+    the trace), and the traced function computes new inputs."""
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    with torch.no_grad():
+        traced = torch.jit.trace(lambda a: T.rms_norm(a, (8,), w), x)
+    assert "rmsnorm::fwd" in str(traced.graph)
+    x2 = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(traced(x2), F.rms_norm(x2, (8,), w), **TOL[torch.float32])

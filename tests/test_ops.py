@@ -60,7 +60,7 @@ def test_launch_key_is_at_least_as_fine_as_tritons():
     from torch_rmsnorm_op import kernels
 
     t = torch.empty(64)
-    samples = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63, 1e-6, 0.5,
+    samples = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63, 1e-6, 0.5, True, False,
                t, t[1:], t[4:], t[2:], t.half(), t.half()[1:], t.bfloat16(), t.double()]
     for a, b in itertools.product(samples, repeat=2):
         if kernels._specialization([a]) == kernels._specialization([b]):

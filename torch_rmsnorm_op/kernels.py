@@ -32,7 +32,9 @@ row group (split) writes one fp32 partial row (scratch is groups x N, never
 M x N), and ``_rms_norm_dw_reduce`` sums the partials in a fixed order, in
 one stage or, when N has few column tiles, two (``reduce_dweight``). No float
 atomics anywhere. The launchers take validated 2-D tensors and write
-into the outputs they are given; ``ops.py`` allocates and validates.
+into the outputs they are given; ``ops.py`` allocates and validates. A kernel's
+first launch for a specialization goes through Triton's JIT, later ones through
+the compiled kernel's own launcher (``_run``).
 """
 
 from __future__ import annotations
@@ -432,11 +434,12 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
 def _specialization(args: list) -> tuple:
     """What Triton's JIT specializes kernel arguments on, or finer: per tensor its dtype and
     16-byte alignment; per int whether it is 1, a multiple of 16, in int32 range, beyond int64;
-    anything else (the fp32 eps) by type."""
+    a float (eps, fp32 for Triton) by type; anything else by type and value."""
     return tuple([
         (a.dtype, a.data_ptr() & 15 == 0) if type(a) is Tensor
         else (a == 1, a & 15 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
-        else type(a)
+        else float if type(a) is float
+        else (type(a), a)
         for a in args
     ])
 

@@ -173,12 +173,12 @@ _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
 
 def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
     """Whether dispatching ``rmsnorm::fwd`` on these inputs, here and now, would only reach
-    ``rms_norm_fwd``: eager (not traced), no gradient to record, no autocast, no torch function
-    or dispatch mode, no torch.func transform (vmap's batched tensors are plain tensors to
-    Python), no forward-mode AD, no profiler (it names the op in traces), plain strided CPU or
-    CUDA tensors (no subclass, nested tensor, negative bit). ``rms_norm`` then calls the op's
-    implementation directly: the dispatcher's Python kernels (autograd, then the op) cost more
-    host time than the launch (profiling/NOTES.md, session 7)."""
+    ``rms_norm_fwd``: eager (not compiled, not recorded by ``torch.jit.trace``), no gradient to
+    record, no autocast, no torch function or dispatch mode, no torch.func transform (vmap's
+    batched tensors are plain tensors to Python), no forward-mode AD, no profiler (it names the
+    op in traces), plain strided CPU or CUDA tensors (no subclass, nested tensor, negative bit).
+    ``rms_norm`` then calls the op's implementation directly: the dispatcher's Python kernels
+    (autograd, then the op) cost more host time than the launch (profiling/NOTES.md, session 7)."""
     if weight is not None and (
         type(weight) not in _PLAIN_WEIGHT_TYPES or weight.layout != torch.strided or weight.is_neg()
     ):
@@ -196,6 +196,7 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
         and peek_interpreter_stack() is None
         and torch.autograd.forward_ad._current_level < 0
         and not torch._C._autograd._profiler_enabled()
+        and not torch.jit.is_tracing()
     )
 
 
