@@ -271,14 +271,19 @@ class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-# Contexts in which the dispatcher has work to do (or sees the call), and one without.
+def _needing_grad(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    t.requires_grad_()
+    return contextlib.nullcontext()
+
+
+# Contexts in which the dispatcher has work to do (or must see the call), given x and w.
 DISPATCHING = {
-    "grad needed": lambda x, w: (x.requires_grad_(), contextlib.nullcontext()),
-    "weight grad needed": lambda x, w: (w.requires_grad_(), contextlib.nullcontext()),
-    "dispatch mode": lambda x, w: (None, _PassThroughMode()),
-    "function mode": lambda x, w: (None, _PassThroughFunctionMode()),
-    "autocast": lambda x, w: (None, torch.autocast(x.device.type, dtype=torch.bfloat16)),
-    "profiler": lambda x, w: (None, torch.profiler.profile()),
+    "grad needed": lambda x, w: _needing_grad(x),
+    "weight grad needed": lambda x, w: _needing_grad(w),
+    "dispatch mode": lambda x, w: _PassThroughMode(),
+    "function mode": lambda x, w: _PassThroughFunctionMode(),
+    "autocast": lambda x, w: torch.autocast(x.device.type, dtype=torch.bfloat16),
+    "profiler": lambda x, w: torch.profiler.profile(),
 }
 
 
@@ -295,8 +300,7 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
         y = T.rms_norm(x.detach().requires_grad_(), (40,), nn.Parameter(w), 1e-6)
     torch.testing.assert_close(y, want, atol=0, rtol=0)
     assert calls == [False, False]
-    _, context = DISPATCHING[case](x, w)
-    with context:
+    with DISPATCHING[case](x, w):
         y = T.rms_norm(x, (40,), w, 1e-6)
     assert calls[2:] == [True], case
     if y.dtype == want.dtype:
