@@ -4,7 +4,7 @@ At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.call_us``):
 ``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; the launcher
 with preallocated outputs; Triton's JIT launch of the forward kernel; the compiled
 kernel's own launcher (``CompiledKernel[grid]``) with the same arguments; and the
-pieces a launch needs (a specialization key, the current stream). Under
+pieces a launch needs (the launch key ``kernels._run`` computes, the current stream). Under
 ``torch.compile(mode="reduce-overhead")``: ours and Inductor's ``F.rms_norm``, wall
 time and GPU time per call, with and without ``mark_static_address`` on the input,
 and the cudagraph skip counter. Then a cProfile of the eager call.
@@ -35,20 +35,6 @@ from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, cuda_graph,
 from torch_rmsnorm_op.config import forward_config  # noqa: E402
 
 
-def own_key(args) -> tuple:
-    """A specialization key by hand: per tensor its dtype and 16-byte alignment, per int
-    whether it is 1, divisible by 16, and fits int32; anything else by value."""
-    out = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif type(a) is int:
-            out.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-        else:
-            out.append(a)
-    return tuple(out)
-
-
 def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
@@ -77,7 +63,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "compiled launcher, stream given": lambda: launcher(*full, stream=stream),
         "compiled launcher, stream looked up": lambda: launcher(*full),
         "current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
-        "key by hand": lambda: own_key(full),
+        "launch key (kernels._specialization)": lambda: kernels._specialization(args),
         "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
     }
     return {name: round(call_us(fn, calls=300), 2) for name, fn in calls.items()}

@@ -174,9 +174,10 @@ _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
 def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
     """Whether dispatching ``rmsnorm::fwd`` on these inputs, here and now, would only reach
     ``rms_norm_fwd``: eager (not compiled, not recorded by ``torch.jit.trace``), no gradient to
-    record, no autocast, no torch function or dispatch mode, no torch.func transform (vmap's
-    batched tensors are plain tensors to Python), no forward-mode AD, no profiler (it names the
-    op in traces), plain strided CPU or CUDA tensors (no subclass, nested tensor, negative bit).
+    record, no autocast, no torch function or dispatch mode, no vmap (its batched tensors are
+    plain tensors to Python; ``rms_norm`` has sent forward-mode AD and torch.func's other
+    transforms to the reference already), no profiler (it names the op in traces), plain strided
+    CPU or CUDA tensors (no subclass, nested tensor, negative bit).
     ``rms_norm`` then calls the op's implementation directly: the dispatcher's Python kernels
     (autograd, then the op) cost more host time than the launch (profiling/NOTES.md, session 7)."""
     if weight is not None and (
@@ -194,7 +195,6 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
         and torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == 0
         and peek_interpreter_stack() is None
-        and torch.autograd.forward_ad._current_level < 0
         and not torch._C._autograd._profiler_enabled()
         and not torch.jit.is_tracing()
     )
