@@ -37,7 +37,7 @@ INTS = {"stride_x": "i64", "stride_y": "i64", "stride_dy": "i64", "stride_dx": "
 def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
     t = "*" + TRITON_TYPES[dtype]
     if backward:
-        ptrs = dict(DY=t, X=t, W=t, RSTD="*fp32", DX=t, DW_PARTIAL="*fp32", SLOTS="*i64")
+        ptrs = dict(DY=t, X=t, W=t, RSTD="*fp32", DX=t, DW_PARTIAL="*fp32", DW_FLAGS="*i32", SLOTS="*i64")
         rest = ["stride_dy", "stride_x", "stride_dx", "M", "N", "rows_per_group"]
     else:
         ptrs = dict(X=t, W=t, Y=t, RSTD="*fp32", SLOTS="*i64")
@@ -49,7 +49,7 @@ def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig) -> tup
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
     read from the compiled cubin by Triton's bundled ``cuobjdump``."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    consts = kernels.constexprs(cfg, backward, has_weight=True)
+    consts = dict(kernels.constexprs(cfg, backward, has_weight=True))
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
     # N and the row strides multiples of 16. Without it the loads are not vectorized.

@@ -249,9 +249,9 @@ def _dispatched(monkeypatch) -> list:
     ``True`` when the op's registered implementation ran it, ``False`` when ``rms_norm`` did."""
     calls, forward = [], ops._forward
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         calls.append(sys._getframe(1).f_code is not T.rms_norm.__code__)
-        return forward(*args)
+        return forward(*args, **kwargs)
 
     monkeypatch.setattr(ops, "_forward", spy)
     return calls

@@ -122,6 +122,26 @@ def test_op_matches_launcher_bitwise(device):
     assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
 
 
+@pytest.mark.parametrize("mode", ["single-pass", "looped", "split"])
+def test_forward_without_rstd_writes_the_same_y(device, mode):
+    """``launch_forward`` with ``rstd=None`` (``rms_norm`` without a gradient to record) writes
+    the same y, bit for bit, in each of the forward's three modes."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig
+
+    cfg = {"single-pass": KernelConfig(block_n=256, rows=2, num_warps=2),
+           "looped": KernelConfig(block_n=64, rows=1, num_warps=1, looped=True),
+           "split": KernelConfig(block_n=64, rows=1, num_warps=1, split=4, programs_per_sm=4)}[mode]
+    x, w = torch.randn(9, 250, device=device), torch.randn(250, device=device)
+    y, rstd = torch.full_like(x, float("nan")), torch.full((9,), float("nan"), device=device)
+    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    y_alone = torch.full_like(x, float("nan"))
+    kernels.launch_forward(x, w, 1e-6, y_alone, None, cfg)
+    assert torch.equal(y, y_alone) and not rstd.isnan().any()
+    torch.testing.assert_close(y.double(), reference.rms_norm_forward(x.double(), w.double(), 1e-6)[0],
+                               atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("shape", [(0, 8), (3, 1), (1, 1), (0, 1), (4, 0), (8,), (2, 0, 5)])
 def test_edge_shapes(device, shape):
     x = torch.randn(shape, device=device, requires_grad=True)
@@ -318,6 +338,46 @@ def test_tensors_off_the_current_device():
     torch.testing.assert_close(y.double(), torch.nn.functional.rms_norm(x2, (1024,), w2), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(x.grad.double(), x2.grad, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [5, 8])
+@pytest.mark.parametrize("split", [1, 2])
+def test_dweight_partials_merge_in_pairs(device, m, split):
+    """Two row groups share one row of dweight scratch (``kernels._merge_partial``): row j holds
+    the sum of groups 2j and 2j + 1 (a lone last group when their count is odd), every row is
+    written, and the scratch has no rows beyond the pairs (one reduce stage)."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig, cdiv, row_groups
+
+    n = 96
+    cfg = KernelConfig(block_n=128 // split, rows=1, num_warps=1, split=split, programs_per_sm=2 * split)
+    groups, per_group = row_groups(m, n, torch.device(device), cfg)
+    assert (groups, per_group) == (m, 1)
+    x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
+    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    ws = kernels.backward_workspace(m, n, x.device, x.dtype, cfg).fill_(float("nan"))
+    assert ws.shape == (cdiv(m, 2), n)
+    dx, dw = torch.empty_like(x), torch.full_like(w, float("nan"))
+    kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
+    per_row = dy.double() * x.double() * rstd.double()[:, None]  # each group is one row here
+    want = torch.stack([per_row[2 * j:2 * j + 2].sum(0) for j in range(cdiv(m, 2))])
+    torch.testing.assert_close(ws.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw.double(), per_row.sum(0), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n", [(16384, 1024), (96, 65536)])
+def test_dweight_bits_do_not_depend_on_which_group_finishes_first(m, n):
+    """Hundreds of row groups (single-pass) or split-mode groups merge their partials in pairs
+    in whatever order they finish: dweight has the same bits on every run."""
+    x, dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    _, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+    first = torch.ops.rmsnorm.bwd(dy, x, w, rstd)[1]
+    for _ in range(20):
+        assert torch.equal(torch.ops.rmsnorm.bwd(dy, x, w, rstd)[1].view(torch.int16), first.view(torch.int16))
+    _, want = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    torch.testing.assert_close(first.double(), want, atol=0.5, rtol=2**-6)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 7])

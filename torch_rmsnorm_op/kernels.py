@@ -28,10 +28,12 @@ dim contiguous, any row stride). Three ways to cover a row:
   kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
 
 dweight is reduced deterministically: each backward program (single-pass) or
-row group (split) writes one fp32 partial row (scratch is groups x N, never
-M x N), and ``_rms_norm_dw_reduce`` sums the partials in a fixed order, in
-one stage or, when N has few column tiles, two (``reduce_dweight``). No float
-atomics anywhere. The launchers take validated 2-D tensors and write
+row group (split) has one fp32 partial row, and two groups share a row of
+scratch: the second to finish adds its partial to the first's
+(``_merge_partial``; a + b == b + a in fp32, so the bits do not depend on which
+is first). Scratch is groups / 2 x N, never M x N. ``_rms_norm_dw_reduce``
+then sums those rows in a fixed order, in one stage or, when N has few column
+tiles, two (``reduce_dweight``). No float atomics anywhere. The launchers take validated 2-D tensors and write
 into the outputs they are given; ``ops.py`` allocates and validates. A kernel's
 first launch for a specialization goes through Triton's JIT, later ones through
 the compiled kernel's own launcher (``_run``).
@@ -40,6 +42,9 @@ the compiled kernel's own launcher (``_run``).
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 import triton
@@ -143,7 +148,7 @@ def _rms_norm_fwd(
     X,  # input  [M, N], row stride stride_x, last dim contiguous
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     Y,  # output [M, N], row stride stride_y
-    RSTD,  # output [M] fp32
+    RSTD,  # output [M] fp32 (written if STORE_RSTD)
     SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partial sums
     stride_x,
     stride_y,
@@ -158,6 +163,7 @@ def _rms_norm_fwd(
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
+    STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
@@ -177,7 +183,8 @@ def _rms_norm_fwd(
             if HAS_WEIGHT:
                 y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + row, rstd)
+        if STORE_RSTD:
+            tl.store(RSTD + row, rstd)
     elif SPLIT == 1:
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
@@ -190,7 +197,8 @@ def _rms_norm_fwd(
             w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if STORE_RSTD:
+            tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
         # Split mode, as in the backward: SPLIT programs per row group walk the group's rows.
         # At row i a program publishes its partial of row i + 1, then waits for row i's total
@@ -216,7 +224,8 @@ def _rms_norm_fwd(
                 if HAS_WEIGHT:
                     y = y * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
                 tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=offs < tl.where(row < M, width, 0))
-                tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
+                if STORE_RSTD:
+                    tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
             x0 = x1
 
 
@@ -246,13 +255,34 @@ def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr):
 
 
 @triton.jit
+def _merge_partial(value, ROW, mask, FLAG):
+    """Add this program's dweight partial ``value`` into its pair's row ``ROW``: the first of the
+    two to claim ``FLAG`` (0: free, 1: claimed, 2: stored) stores its partial, the second adds
+    its own to what the first stored. fp32 addition is commutative, so the row holds the same
+    bits whichever arrives first; and only a program that has claimed the flag is ever waited
+    for, so nothing depends on which programs are resident. A lone program (odd group count)
+    just stores."""
+    if tl.atomic_cas(FLAG, 0, 1) == 0:
+        tl.store(ROW, value, mask=mask)
+        tl.debug_barrier()  # every thread's stores before the flag says so (acq_rel, gpu scope)
+        tl.atomic_xchg(FLAG, 2)
+    else:
+        while tl.atomic_cas(FLAG, 2, 2) != 2:
+            pass
+        # From L2 (.cg): written by another multiprocessor.
+        other = tl.load(ROW, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(ROW, other + value, mask=mask)
+
+
+@triton.jit
 def _rms_norm_bwd(
     DY,  # upstream gradient [M, N], row stride stride_dy
     X,  # forward input [M, N], row stride stride_x
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride stride_dx
-    DW_PARTIAL,  # scratch [row groups, N] fp32: one dweight partial row per group
+    DW_PARTIAL,  # scratch [cdiv(row groups, 2), N] fp32: one dweight partial row per pair of groups
+    DW_FLAGS,  # [cdiv(row groups, 2) * SPLIT] int32 zeros: _merge_partial's flags
     SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partials
     stride_dy,
     stride_x,
@@ -313,7 +343,7 @@ def _rms_norm_bwd(
             dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            tl.store(DW_PARTIAL + group * N + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            _merge_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL + group // 2 * N + cols, col_mask, DW_FLAGS + group // 2)
     else:
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
@@ -354,7 +384,8 @@ def _rms_norm_bwd(
                     dw_acc += dy * x * rstd
             x0, dy0 = x1, dy1
         if PHASE != 1 and HAS_WEIGHT:
-            tl.store(DW_PARTIAL + group * N + start + offs, dw_acc, mask=offs < width)
+            _merge_partial(dw_acc, DW_PARTIAL + group // 2 * N + start + offs, offs < width,
+                           DW_FLAGS + group // 2 * SPLIT + chunk)
 
 
 @triton.jit
@@ -415,20 +446,26 @@ if is_interpreted():
 COMPILE_OPTIONS = dict(enable_fp_fusion=True)
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
 def _on(device: torch.device):
     """Triton launches on the current CUDA device: switch to the tensors' own where it differs."""
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    return _SAME_DEVICE
 
 
-def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool) -> dict:
+@functools.cache
+def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True) -> Mapping:
     """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
-    kernel's parameter order (``PHASE`` 0: one launch)."""
+    kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
-        return out | dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages)
-    return out | dict(LOOPED=cfg.looped, STAGES=cfg.stages)
+        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages)
+    else:
+        out |= dict(LOOPED=cfg.looped, STAGES=cfg.stages, STORE_RSTD=store_rstd)
+    return MappingProxyType(out)
 
 
 def _specialization(args: list) -> tuple:
@@ -472,10 +509,9 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            has_weight: bool, pad_rows: int = 0) -> None:
+            consts: Mapping, pad_rows: int = 0) -> None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
     row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
-    consts = constexprs(cfg, kernel is _rms_norm_bwd, has_weight)
     if cfg.split == 1:
         _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
         return
@@ -485,11 +521,11 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
         _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
 
-def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor,
+def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
                    cfg: KernelConfig | None = None) -> None:
-    """Write ``y`` and ``rstd`` (M values, contiguous) for ``x``: x and y are [M, N] or any
-    [..., N] whose rows ``layout.row_stride`` can address (``N >= 1``); weight contiguous [N]
-    or None. ``cfg`` overrides the table (for tuning)."""
+    """Write ``y`` and, unless None, ``rstd`` (M values, contiguous) for ``x``: x and y are
+    [M, N] or any [..., N] whose rows ``layout.row_stride`` can address (``N >= 1``); weight
+    contiguous [N] or None. ``cfg`` overrides the table (for tuning)."""
     n = x.shape[-1]
     m = x.numel() // n
     if m == 0:
@@ -500,17 +536,22 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
+    consts = constexprs(cfg, False, weight is not None, rstd is not None)
+    # Without rstd, RSTD is y: never written (STORE_RSTD is off).
+    before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):
-        _launch(_rms_norm_fwd, grid, m, device, cfg, [x, x if weight is None else weight, y, rstd],
-                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], weight is not None, pad_rows=rows_per_group)
+        _launch(_rms_norm_fwd, grid, m, device, cfg, before,
+                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
                        cfg: KernelConfig | None = None) -> Tensor:
-    """Uninitialized fp32 scratch for the dweight partials: [row groups + reduce splits, N]
-    (one partial row per row group, then the first reduce stage's rows, if any)."""
-    groups, _ = row_groups(m, n, device, cfg or backward_config(n, dtype))
-    return torch.empty((groups + reduce_splits(groups, n, device), n), dtype=torch.float32, device=device)
+    """Uninitialized fp32 scratch for the dweight partials: [pairs + reduce splits, N], one
+    partial row per pair of row groups (``_merge_partial``), then the first reduce stage's rows
+    when the reduction has two stages (``reduce_dweight`` reads only the partials with one)."""
+    pairs = cdiv(row_groups(m, n, device, cfg or backward_config(n, dtype))[0], 2)
+    splits = reduce_splits(pairs, n, device)
+    return torch.empty((pairs + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
 
 
 _REDUCE_CONSTS = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
@@ -545,14 +586,19 @@ def launch_backward(
     cfg = cfg or backward_config(n, x.dtype)
     groups, rows_per_group = row_groups(m, n, x.device, cfg)
     has_weight = weight is not None
-    if has_weight and workspace is None:
-        workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
+    partial = flags = dx  # placeholders, unused without a weight
+    if has_weight:
+        if workspace is None:
+            workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
+        pairs = cdiv(groups, 2)
+        partial, mid = workspace[:pairs], workspace[pairs:]
+        flags = torch.zeros(pairs * cfg.split, dtype=torch.int32, device=x.device)
     with _on(x.device):
         _launch(
             _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
-            [dy, x, weight if has_weight else x, rstd, dx, workspace if has_weight else dx],
-            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group], has_weight,
-            pad_rows=rows_per_group,
+            [dy, x, weight if has_weight else x, rstd, dx, partial, flags],
+            [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
+            constexprs(cfg, True, has_weight), pad_rows=rows_per_group,
         )
     if has_weight:
-        reduce_dweight(workspace[:groups], dweight, workspace[groups:])
+        reduce_dweight(partial, dweight, mid)

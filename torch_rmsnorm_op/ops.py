@@ -62,14 +62,18 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
     return _forward(x, weight, eps)
 
 
-def _forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """``rmsnorm::fwd`` on arguments that meet its contract (``check_forward_args``)."""
+def _forward(x: Tensor, weight: Tensor | None, eps: float, want_rstd: bool = True) -> tuple[Tensor, Tensor | None]:
+    """``rmsnorm::fwd`` on arguments that meet its contract (``check_forward_args``). Without
+    ``want_rstd`` (a caller that only needs y) the kernels neither allocate nor write rstd, and
+    the second result may be None."""
     n = x.shape[-1]
     if n > 0 and not _kernels_serve("rmsnorm.fwd", x, weight):
         with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
             return reference.rms_norm_forward(x, weight, eps)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype), device=x.device)
+    rstd = None
+    if want_rstd or n == 0:
+        rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype), device=x.device)
     if n == 0:  # nothing to normalize; mean of an empty row is NaN, as in torch
         return y, rstd.fill_(math.nan)
     _kernels().launch_forward(x, None if weight is None else weight.contiguous(), eps, y, rstd)
@@ -207,24 +211,26 @@ def rms_norm(
     (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes and gradients.
     ``normalized_shape`` may span several trailing dims; complex inputs take the reference path.
     In eager mode, when the dispatcher has nothing to add (no gradient, mode, autocast,
-    subclass, profiler), the op's implementation is called without it: the same code."""
+    subclass, profiler), the op's implementation is called without it, and since nothing will
+    read rstd, the kernels do not write it: the same y, bit for bit."""
     shape = check_functional_args(input, normalized_shape, weight)
     if eps is None:
         eps = reference.default_eps(input.dtype)
     if input.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("rms_norm", f"complex dtype {input.dtype}")
         return reference.rms_norm_reference(input, shape, weight, eps)
-    fwd = torch.ops.rmsnorm.fwd
+    direct = False
     if not torch.compiler.is_compiling():
         transform = _transform_reason()
         if transform is not None:
             record_fallback("rms_norm", transform)
             return reference.rms_norm_reference(input, shape, weight, eps)
-        if _nothing_to_dispatch(input, weight):
-            fwd = _forward  # check_functional_args has checked what check_forward_args would
-    if len(shape) == 1:
-        return fwd(input, weight, float(eps))[0]
-    n = math.prod(shape)
-    x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
-    y, _ = fwd(x, None if weight is None else weight.reshape(n), float(eps))
-    return y.view(input.shape)
+        # check_functional_args has checked what check_forward_args would
+        direct = _nothing_to_dispatch(input, weight)
+    x, w = input, weight
+    if len(shape) > 1:
+        n = math.prod(shape)
+        x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
+        w = None if weight is None else weight.reshape(n)
+    y = _forward(x, w, float(eps), want_rstd=False)[0] if direct else torch.ops.rmsnorm.fwd(x, w, float(eps))[0]
+    return y if len(shape) == 1 else y.view(input.shape)
