@@ -340,27 +340,30 @@ def test_tensors_off_the_current_device():
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-3, rtol=1e-4)
 
 
+@pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("m", [5, 8])
 @pytest.mark.parametrize("split", [1, 2])
-def test_dweight_partials_merge_in_pairs(device, m, split):
-    """Two row groups share one row of dweight scratch (``kernels._merge_partial``): row j holds
-    the sum of groups 2j and 2j + 1 (a lone last group when their count is odd), every row is
-    written, and the scratch has no rows beyond the pairs (one reduce stage)."""
-    from torch_rmsnorm_op import kernels
+def test_dweight_partials_merge_in_pairs(device, monkeypatch, m, split, merge):
+    """Above ``config.MERGE_SCRATCH_BYTES`` of scratch two row groups share one row of it
+    (``kernels._merge_partial``): row j holds the sum of groups 2j and 2j + 1 (a lone last group
+    when their count is odd); below, row j is group j's. Every row is written, and the scratch
+    has no rows beyond the partials (one reduce stage)."""
+    from torch_rmsnorm_op import config, kernels
     from torch_rmsnorm_op.config import KernelConfig, cdiv, row_groups
 
     n = 96
+    monkeypatch.setattr(config, "MERGE_SCRATCH_BYTES", 0 if merge else m * n * 4)
     cfg = KernelConfig(block_n=128 // split, rows=1, num_warps=1, split=split, programs_per_sm=2 * split)
     groups, per_group = row_groups(m, n, torch.device(device), cfg)
     assert (groups, per_group) == (m, 1)
     x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
     _, rstd = reference.rms_norm_forward(x, None, 1e-6)
     ws = kernels.backward_workspace(m, n, x.device, x.dtype, cfg).fill_(float("nan"))
-    assert ws.shape == (cdiv(m, 2), n)
+    per_row = dy.double() * x.double() * rstd.double()[:, None]  # each group is one row here
+    want = torch.stack([per_row[2 * j:2 * j + 2].sum(0) for j in range(cdiv(m, 2))]) if merge else per_row
+    assert ws.shape == want.shape
     dx, dw = torch.empty_like(x), torch.full_like(w, float("nan"))
     kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
-    per_row = dy.double() * x.double() * rstd.double()[:, None]  # each group is one row here
-    want = torch.stack([per_row[2 * j:2 * j + 2].sum(0) for j in range(cdiv(m, 2))])
     torch.testing.assert_close(ws.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw.double(), per_row.sum(0), atol=1e-5, rtol=1e-5)
 

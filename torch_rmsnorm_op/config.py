@@ -94,6 +94,12 @@ BWD_SPLIT_FP32 = (4096, 8, 1, 3)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
+# Backward programs merge their dweight partials in pairs (half the scratch rows; kernels.py,
+# _merge_partial) when the unmerged scratch (groups x N fp32) would exceed this many bytes.
+# Merging costs a memset of the pairs' flags and a wait at the end (128x257: fwd+bwd 6.7 ->
+# 9.7 us with it, -final8 vs -tune8/a); at the benchmark's 256 MiB shapes it takes peak extra
+# memory from dx + 3.3% to dx + 1.7% at worst (-tune8/a).
+MERGE_SCRATCH_BYTES = 1 << 20
 # dweight reduction tile: partial rows x columns per step.
 REDUCE_BLOCK_P = 32
 REDUCE_BLOCK_N = 128
@@ -181,6 +187,12 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def partial_rows(groups: int, n: int) -> int:
+    """Rows of dweight scratch for ``groups`` backward row groups of length ``n``: one per
+    group, or one per pair of groups when that scratch would exceed MERGE_SCRATCH_BYTES."""
+    return cdiv(groups, 2) if groups * n * 4 > MERGE_SCRATCH_BYTES else groups
 
 
 def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:

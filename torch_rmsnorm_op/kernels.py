@@ -28,10 +28,11 @@ dim contiguous, any row stride). Three ways to cover a row:
   kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
 
 dweight is reduced deterministically: each backward program (single-pass) or
-row group (split) has one fp32 partial row, and two groups share a row of
-scratch: the second to finish adds its partial to the first's
-(``_merge_partial``; a + b == b + a in fp32, so the bits do not depend on which
-is first). Scratch is groups / 2 x N, never M x N. ``_rms_norm_dw_reduce``
+row group (split) has one fp32 partial row; where that scratch is large
+(``config.partial_rows``), two groups share a row: the second to finish adds
+its partial to the first's (``_merge_partial``; a + b == b + a in fp32, so the
+bits do not depend on which is first). Scratch is groups (or groups / 2) x N,
+never M x N. ``_rms_norm_dw_reduce``
 then sums those rows in a fixed order, in one stage or, when N has few column
 tiles, two (``reduce_dweight``). No float atomics anywhere. The launchers take validated 2-D tensors and write
 into the outputs they are given; ``ops.py`` allocates and validates. A kernel's
@@ -58,6 +59,7 @@ from torch_rmsnorm_op.config import (
     backward_config,
     cdiv,
     forward_config,
+    partial_rows,
     reduce_splits,
     row_groups,
 )
@@ -275,14 +277,25 @@ def _merge_partial(value, ROW, mask, FLAG):
 
 
 @triton.jit
+def _store_partial(value, DW_PARTIAL, DW_FLAGS, group, N, cols, mask, SPLIT: tl.constexpr, chunk,
+                   MERGE: tl.constexpr):
+    """Write this program's dweight partial (columns ``cols`` of its group's): its group's row,
+    or with MERGE its pair's (``_merge_partial``)."""
+    if MERGE:
+        _merge_partial(value, DW_PARTIAL + group // 2 * N + cols, mask, DW_FLAGS + group // 2 * SPLIT + chunk)
+    else:
+        tl.store(DW_PARTIAL + group * N + cols, value, mask=mask)
+
+
+@triton.jit
 def _rms_norm_bwd(
     DY,  # upstream gradient [M, N], row stride stride_dy
     X,  # forward input [M, N], row stride stride_x
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride stride_dx
-    DW_PARTIAL,  # scratch [cdiv(row groups, 2), N] fp32: one dweight partial row per pair of groups
-    DW_FLAGS,  # [cdiv(row groups, 2) * SPLIT] int32 zeros: _merge_partial's flags
+    DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials
+    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2) * SPLIT] int32 zeros, _merge_partial's flags
     SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partials
     stride_dy,
     stride_x,
@@ -298,6 +311,7 @@ def _rms_norm_bwd(
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
     RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
     STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
+    MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -343,7 +357,7 @@ def _rms_norm_bwd(
             dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
         if HAS_WEIGHT:
-            _merge_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL + group // 2 * N + cols, col_mask, DW_FLAGS + group // 2)
+            _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
     else:
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
@@ -384,8 +398,7 @@ def _rms_norm_bwd(
                     dw_acc += dy * x * rstd
             x0, dy0 = x1, dy1
         if PHASE != 1 and HAS_WEIGHT:
-            _merge_partial(dw_acc, DW_PARTIAL + group // 2 * N + start + offs, offs < width,
-                           DW_FLAGS + group // 2 * SPLIT + chunk)
+            _store_partial(dw_acc, DW_PARTIAL, DW_FLAGS, group, N, start + offs, offs < width, SPLIT, chunk, MERGE)
 
 
 @triton.jit
@@ -457,12 +470,13 @@ def _on(device: torch.device):
 
 
 @functools.cache
-def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True) -> Mapping:
+def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True,
+               merge: bool = False) -> Mapping:
     """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
     kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
-        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages)
+        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
     else:
         out |= dict(LOOPED=cfg.looped, STAGES=cfg.stages, STORE_RSTD=store_rstd)
     return MappingProxyType(out)
@@ -546,12 +560,13 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
                        cfg: KernelConfig | None = None) -> Tensor:
-    """Uninitialized fp32 scratch for the dweight partials: [pairs + reduce splits, N], one
-    partial row per pair of row groups (``_merge_partial``), then the first reduce stage's rows
-    when the reduction has two stages (``reduce_dweight`` reads only the partials with one)."""
-    pairs = cdiv(row_groups(m, n, device, cfg or backward_config(n, dtype))[0], 2)
-    splits = reduce_splits(pairs, n, device)
-    return torch.empty((pairs + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
+    """Uninitialized fp32 scratch for the dweight partials: [partial rows + reduce splits, N],
+    one partial row per row group or per pair of them (``config.partial_rows``), then the first
+    reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads only the
+    partials with one)."""
+    rows = partial_rows(row_groups(m, n, device, cfg or backward_config(n, dtype))[0], n)
+    splits = reduce_splits(rows, n, device)
+    return torch.empty((rows + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
 
 
 _REDUCE_CONSTS = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
@@ -587,18 +602,21 @@ def launch_backward(
     groups, rows_per_group = row_groups(m, n, x.device, cfg)
     has_weight = weight is not None
     partial = flags = dx  # placeholders, unused without a weight
+    merge = False
     if has_weight:
         if workspace is None:
             workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
-        pairs = cdiv(groups, 2)
-        partial, mid = workspace[:pairs], workspace[pairs:]
-        flags = torch.zeros(pairs * cfg.split, dtype=torch.int32, device=x.device)
+        rows = partial_rows(groups, n)
+        partial, mid = workspace[:rows], workspace[rows:]
+        merge = rows < groups
+        if merge:
+            flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=x.device)
     with _on(x.device):
         _launch(
             _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
             [dy, x, weight if has_weight else x, rstd, dx, partial, flags],
             [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
-            constexprs(cfg, True, has_weight), pad_rows=rows_per_group,
+            constexprs(cfg, True, has_weight, merge=merge), pad_rows=rows_per_group,
         )
     if has_weight:
         reduce_dweight(partial, dweight, mid)
