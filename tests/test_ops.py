@@ -344,7 +344,7 @@ def test_tensors_off_the_current_device():
 @pytest.mark.parametrize("m", [5, 8])
 @pytest.mark.parametrize("split", [1, 2])
 def test_dweight_partials_merge_in_pairs(device, monkeypatch, m, split, merge):
-    """Above ``config.MERGE_SCRATCH_BYTES`` of scratch two row groups share one row of it
+    """Above ``config.MERGE_SCRATCH_BYTES`` (and share) of scratch two row groups share one row of it
     (``kernels._merge_partial``): row j holds the sum of groups 2j and 2j + 1 (a lone last group
     when their count is odd); below, row j is group j's. Every row is written, and the scratch
     has no rows beyond the partials (one reduce stage)."""
@@ -353,6 +353,7 @@ def test_dweight_partials_merge_in_pairs(device, monkeypatch, m, split, merge):
 
     n = 96
     monkeypatch.setattr(config, "MERGE_SCRATCH_BYTES", 0 if merge else m * n * 4)
+    monkeypatch.setattr(config, "MERGE_SCRATCH_SHARE", 0)
     cfg = KernelConfig(block_n=128 // split, rows=1, num_warps=1, split=split, programs_per_sm=2 * split)
     groups, per_group = row_groups(m, n, torch.device(device), cfg)
     assert (groups, per_group) == (m, 1)

@@ -95,11 +95,14 @@ BWD_SPLIT_FP32 = (4096, 8, 1, 3)
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
 # Backward programs merge their dweight partials in pairs (half the scratch rows; kernels.py,
-# _merge_partial) when the unmerged scratch (groups x N fp32) would exceed this many bytes.
-# Merging costs a memset of the pairs' flags and a wait at the end (128x257: fwd+bwd 6.7 ->
-# 9.7 us with it, -final8 vs -tune8/a); at the benchmark's 256 MiB shapes it takes peak extra
-# memory from dx + 3.3% to dx + 1.7% at worst (-tune8/a).
+# _merge_partial) when the unmerged scratch (groups x N fp32) would exceed both of these: a
+# size (below it the merge's memset and wait cost more than the memory: 128x257 fwd+bwd 6.7
+# -> 9.7 us, -tune8/a) and a share of dx (below it the scratch is within the target of dx + 2%;
+# above it, merging everywhere cost 1-3.5% of fwd+bwd time at 4096 fp32, 32768 and 65536,
+# -tune8/b). At the benchmark's 256 MiB shapes that merges at N = 16384 only (dx + 3.3% ->
+# 1.7%); at 128 MiB, wherever the scratch would be ~3% of dx.
 MERGE_SCRATCH_BYTES = 1 << 20
+MERGE_SCRATCH_SHARE = 1 / 50
 # dweight reduction tile: partial rows x columns per step.
 REDUCE_BLOCK_P = 32
 REDUCE_BLOCK_N = 128
@@ -189,10 +192,13 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def partial_rows(groups: int, n: int) -> int:
-    """Rows of dweight scratch for ``groups`` backward row groups of length ``n``: one per
-    group, or one per pair of groups when that scratch would exceed MERGE_SCRATCH_BYTES."""
-    return cdiv(groups, 2) if groups * n * 4 > MERGE_SCRATCH_BYTES else groups
+def partial_rows(groups: int, m: int, n: int, dtype: torch.dtype) -> int:
+    """Rows of dweight scratch for ``groups`` backward row groups over [m, n] rows of ``dtype``:
+    one per group, or one per pair of groups when that scratch would exceed both
+    MERGE_SCRATCH_BYTES and MERGE_SCRATCH_SHARE of dx."""
+    scratch = groups * n * 4
+    merge = scratch > MERGE_SCRATCH_BYTES and scratch > MERGE_SCRATCH_SHARE * m * n * dtype.itemsize
+    return cdiv(groups, 2) if merge else groups
 
 
 def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:

@@ -564,7 +564,7 @@ def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
     one partial row per row group or per pair of them (``config.partial_rows``), then the first
     reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads only the
     partials with one)."""
-    rows = partial_rows(row_groups(m, n, device, cfg or backward_config(n, dtype))[0], n)
+    rows = partial_rows(row_groups(m, n, device, cfg or backward_config(n, dtype))[0], m, n, dtype)
     splits = reduce_splits(rows, n, device)
     return torch.empty((rows + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
 
@@ -606,7 +606,7 @@ def launch_backward(
     if has_weight:
         if workspace is None:
             workspace = backward_workspace(m, n, x.device, x.dtype, cfg)
-        rows = partial_rows(groups, n)
+        rows = partial_rows(groups, m, n, x.dtype)
         partial, mid = workspace[:rows], workspace[rows:]
         merge = rows < groups
         if merge:
