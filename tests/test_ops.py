@@ -110,6 +110,31 @@ def test_compiled_launches_match_the_jit(monkeypatch):
         assert torch.equal(first[5], recomputed[1])
 
 
+@pytest.mark.cuda
+def test_launch_hooks_see_compiled_launches():
+    """With a Triton launch hook registered (as a profiler does), a launch of an already
+    compiled kernel goes through Triton's own runner, which calls the hook."""
+    import triton
+
+    x, w = torch.randn(8, 64, device="cuda"), torch.randn(64, device="cuda")
+    want = T.rms_norm(x, (64,), w)  # compiled (and launched) through the JIT
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    chain = triton.knobs.runtime.launch_enter_hook
+    chain.add(hook)
+    try:
+        y = T.rms_norm(x, (64,), w)
+        torch.cuda.synchronize()
+    finally:
+        chain.remove(hook)
+    assert seen == ["_rms_norm_fwd"] and torch.equal(y, want)
+    T.rms_norm(x, (64,), w)
+    assert len(seen) == 1
+
+
 def test_op_matches_launcher_bitwise(device):
     """The op path and the campaign's launcher path are the same computation."""
     from torch_rmsnorm_op import kernels

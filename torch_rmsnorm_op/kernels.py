@@ -519,7 +519,26 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
         _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
         return
     # The compiled launcher takes every parameter in order, constexprs included.
-    compiled[grid + (1,) * (3 - len(grid))](*args, *consts.values(), stream=_STREAM(device.index))
+    grid3 = grid + (1,) * (3 - len(grid))
+    stream = _STREAM(device.index)
+    if _no_launch_hooks():
+        # What ``compiled[grid3](...)`` runs when no launch hook is registered, without its
+        # closure, its launch metadata and the two empty hook chains it hands the launcher.
+        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *args, *consts.values())
+    else:
+        compiled[grid3](*args, *consts.values(), stream=stream)
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no Triton launch hook (a profiler's, e.g. proton) is registered: the knobs are
+    hook chains (empty by default) or single callables, depending on the Triton version."""
+    runtime = triton.knobs.runtime
+    return _empty_hook(runtime.launch_enter_hook) and _empty_hook(runtime.launch_exit_hook)
+
+
+def _empty_hook(hook) -> bool:
+    return hook is None or (type(hook) is triton.knobs.HookChain and not hook.calls)
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
