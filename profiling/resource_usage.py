@@ -45,11 +45,11 @@ def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
     return ptrs | {name: INTS.get(name, "fp32") for name in rest}
 
 
-def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig) -> tuple[int, int]:
+def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge: bool = False) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
     read from the compiled cubin by Triton's bundled ``cuobjdump``."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    consts = dict(kernels.constexprs(cfg, backward, has_weight=True))
+    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward))
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
     # N and the row strides multiples of 16. Without it the loads are not vectorized.
@@ -70,6 +70,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", default="fwd:bfloat16:32768,bwd:bfloat16:4096,bwd:bfloat16:16384,bwd:float32:16384")
     p.add_argument("--near", action="store_true", help="also the neighbours tune.py --near times")
+    p.add_argument("--merge", action="store_true", help="backward with its dweight partials merged in pairs")
     args = p.parse_args()
     if kernels.is_interpreted():
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels for sm_90a")
@@ -79,7 +80,7 @@ def main() -> None:
         backward, dtype, n = pass_name == "bwd", getattr(torch, dtype_name), int(n)
         table = (backward_config if backward else forward_config)(n, dtype)
         for cfg in [table] + (neighbours(table, backward, n) if args.near else []):
-            regs, stack = resource_usage(backward, dtype, cfg)
+            regs, stack = resource_usage(backward, dtype, cfg, args.merge)
             print(f"{job} {'table' if cfg == table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}")
 
 
