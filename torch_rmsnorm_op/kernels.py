@@ -32,9 +32,9 @@ row group (split) has one fp32 partial row; where that scratch is large
 (``config.partial_rows``), two groups share a row: the second to finish adds
 its partial to the first's (``_merge_partial``; a + b == b + a in fp32, so the
 bits do not depend on which is first). Scratch is groups (or groups / 2) x N,
-never M x N. ``_rms_norm_dw_reduce``
-then sums those rows in a fixed order, in one stage or, when N has few column
-tiles, two (``reduce_dweight``). No float atomics anywhere. The launchers take validated 2-D tensors and write
+never M x N. ``_rms_norm_dw_reduce`` then sums those rows in a fixed order, in
+one stage or, when N has few column tiles, two (``reduce_dweight``). No float
+atomics anywhere. The launchers take validated 2-D tensors and write
 into the outputs they are given; ``ops.py`` allocates and validates. A kernel's
 first launch for a specialization goes through Triton's JIT, later ones through
 the compiled kernel's own launcher (``_run``).
@@ -532,9 +532,12 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
 
 def _no_launch_hooks() -> bool:
     """Whether no Triton launch hook (a profiler's, e.g. proton) is registered: the knobs are
-    hook chains (empty by default) or single callables, depending on the Triton version."""
-    runtime = triton.knobs.runtime
-    return _empty_hook(runtime.launch_enter_hook) and _empty_hook(runtime.launch_exit_hook)
+    hook chains (empty by default) or single callables, depending on the Triton version. Before
+    ``triton.knobs`` (Triton < 3.4) the hooks lived elsewhere: say no, keeping Triton's runner."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return False
+    return _empty_hook(knobs.runtime.launch_enter_hook) and _empty_hook(knobs.runtime.launch_exit_hook)
 
 
 def _empty_hook(hook) -> bool:

@@ -64,8 +64,9 @@ def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, 
 
 def _forward(x: Tensor, weight: Tensor | None, eps: float, want_rstd: bool = True) -> tuple[Tensor, Tensor | None]:
     """``rmsnorm::fwd`` on arguments that meet its contract (``check_forward_args``). Without
-    ``want_rstd`` (a caller that only needs y) the kernels neither allocate nor write rstd, and
-    the second result may be None."""
+    ``want_rstd`` (a caller that only needs y) rstd is neither allocated nor written by the
+    kernels (``STORE_RSTD``) and the second result is None, unless the reference served the
+    call or N is 0."""
     n = x.shape[-1]
     if n > 0 and not _kernels_serve("rmsnorm.fwd", x, weight):
         with torch.profiler.record_function("rmsnorm.fwd [reference fallback]"):
