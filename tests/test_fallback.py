@@ -20,8 +20,9 @@ def _fp64(device):
 def test_default_policy_warns_once_per_reason(device):
     assert T.get_fallback_policy() == "warn"
     x, w = _fp64(device)
-    with pytest.warns(UserWarning, match="falls back to the PyTorch reference"):
+    with pytest.warns(UserWarning, match="falls back to the PyTorch reference") as record:
         T.rms_norm(x, (8,), w)
+    assert record[0].filename == __file__  # the caller's line, not ours or the dispatcher's
     import warnings
 
     with warnings.catch_warnings():

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -160,8 +161,22 @@ def record_fallback(op: str, reason: str) -> None:
         warnings.warn(
             f"torch_rmsnorm_op: {op} falls back to the PyTorch reference ({reason}). "
             f"Set the fallback policy to 'reference' to silence this, or 'error' to forbid it.",
-            stacklevel=3,
+            stacklevel=_caller_stacklevel(),
         )
+
+
+# Frames of this package and of torch (the dispatcher's Python, nn.Module's call) between the
+# user's line and record_fallback: a warning points past them.
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, called from ``record_fallback``, for the first frame
+    outside this package and torch: the user's call, however many layers it went through."""
+    frame, level = sys._getframe(2), 2  # record_fallback's caller
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def dispatch_stats() -> dict[str, dict[str, int]]:
