@@ -167,7 +167,7 @@ def record_fallback(op: str, reason: str) -> None:
 
 # Frames of this package and of torch (the dispatcher's Python, nn.Module's call) between the
 # user's line and record_fallback: a warning points past them.
-_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+_INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
 
 
 def _caller_stacklevel() -> int:
