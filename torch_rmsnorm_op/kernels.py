@@ -530,14 +530,17 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
         compiled[grid3](*args, *consts.values(), stream=stream)
 
 
+# Before ``triton.knobs`` (Triton < 3.4) the launch hooks lived elsewhere: there, always Triton's runner.
+_KNOBS = getattr(triton, "knobs", None)
+
+
 def _no_launch_hooks() -> bool:
     """Whether no Triton launch hook (a profiler's, e.g. proton) is registered: the knobs are
-    hook chains (empty by default) or single callables, depending on the Triton version. Before
-    ``triton.knobs`` (Triton < 3.4) the hooks lived elsewhere: say no, keeping Triton's runner."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is None:
+    hook chains (empty by default) or single callables, depending on the Triton version."""
+    if _KNOBS is None:
         return False
-    return _empty_hook(knobs.runtime.launch_enter_hook) and _empty_hook(knobs.runtime.launch_exit_hook)
+    runtime = _KNOBS.runtime
+    return _empty_hook(runtime.launch_enter_hook) and _empty_hook(runtime.launch_exit_hook)
 
 
 def _empty_hook(hook) -> bool:
