@@ -2,6 +2,8 @@
 # One device call on a GPU machine, from the repo root, writing into OUTDIR (at most 8 files):
 #   bash profiling/gpu_run.sh results OUTDIR   benchmark sweep, check, demo, training runs
 #   bash profiling/gpu_run.sh tests OUTDIR     the whole test suite on CUDA
+#   bash profiling/gpu_run.sh ncu OUTDIR JOBS  Nsight Compute sections of ours and Inductor's kernels
+#       (profiling/ncu_kernels.py over JOBS, pass:dtype:N,...): ncu.txt, ncu.csv
 #   bash profiling/gpu_run.sh tune OUTDIR JOBS [VARIANT VARIANT_JOBS]...
 #       profiling/tune.py --near (or $TUNE_FLAGS) over JOBS (pass:dtype:N,...), then for each VARIANT
 #       (profiling/variants/apply.py) the same over its jobs; then, if $TESTS is set, those
@@ -22,6 +24,15 @@ log="$out/log.txt"
 } 2>&1 | tee "$log"
 if [ "$what" = tests ]; then
   python3 -m pytest -q -rs -p no:cacheprovider tests 2>&1 | tee -a "$log"; echo "pytest rc=$?" | tee -a "$log"
+  exit 0
+fi
+if [ "$what" = ncu ]; then
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  timeout "${NCU_TIMEOUT:-300}" "$NCU" --profile-from-start off --clock-control none --nvtx \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats -f -o /tmp/ncu python3 profiling/ncu_kernels.py --jobs "$1" 2>&1 | tail -5 | tee -a "$log"
+  "$NCU" --import /tmp/ncu.ncu-rep > "$out/ncu.txt" 2>&1
+  "$NCU" --import /tmp/ncu.ncu-rep --csv --page details > "$out/ncu.csv" 2>&1
   exit 0
 fi
 if [ "$what" = tune ]; then

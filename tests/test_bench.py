@@ -26,6 +26,14 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
     assert path.with_suffix(".md").exists() and path.with_suffix(".png").exists()
     if result["gpu"] == "cpu-interpreter":
         assert "not GPU timings" in path.with_suffix(".md").read_text()
+        assert not any("kernels_us" in row for row in result["rows"])
+    else:  # the breakdown names our kernels and adds up to the step's time
+        for row in result["rows"]:
+            kernels = row["kernels_us"]
+            assert abs(sum(kernels.values()) - row["us"]) <= 0.05 * row["us"] + 0.1, row
+            if row["impl"] == "ours":
+                want = {"_rms_norm_fwd"} | ({"_rms_norm_bwd", "_rms_norm_dw_reduce"} if row["pass"] == "fwd+bwd" else set())
+                assert want <= {name.split("(")[0] for name in kernels}, row
 
 
 @pytest.mark.parametrize("merge", [False, True])

@@ -14,6 +14,9 @@ What each number is:
   the same run (a 2 GiB bf16 copy, read + write counted).
 - ``peak_extra_MiB`` (fwd+bwd rows): max_memory_allocated during one step
   above what was allocated before it.
+- ``kernels_us`` (CUDA): that time by kernel name, per iteration, from the
+  median window (so its sum can differ slightly from ``us``, the median of
+  the windows' totals).
 - ``call_us`` (latency row only): wall time per eager call, host side, for
   back-to-back calls (CPU-bound at this size).
 
@@ -43,10 +46,13 @@ import torch_rmsnorm_op as T
 EPS = 1e-6
 L2_BYTES = 60 * 2**20
 BANDWIDTH_BYTES = 256 * 2**20  # x alone; >= 128 MiB as the spec asks
+KERNEL_NAME_CHARS = 80  # kernel names as the breakdown keys them (C++ templates run long)
 
 
-def gpu_us(step, iters: int, repeats: int) -> float:
-    """Median over ``repeats`` windows of the per-iteration time (GPU time on CUDA, wall time on CPU)."""
+def gpu_us(step, iters: int, repeats: int, kernels: dict[str, float] | None = None) -> float:
+    """Median over ``repeats`` windows of the per-iteration time (GPU time on CUDA, wall time on CPU).
+    On CUDA, ``kernels`` (if given) receives the median window's time per iteration by kernel name
+    (memsets and memcpys included): where the step's GPU time goes."""
     for _ in range(3):
         step()
     if not torch.cuda.is_available():
@@ -58,16 +64,23 @@ def gpu_us(step, iters: int, repeats: int) -> float:
             samples.append((time.perf_counter() - t0) / iters * 1e6)
         return statistics.median(samples)
     torch.cuda.synchronize()
-    samples = []
+    windows = []
     for _ in range(repeats):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 step()
             torch.cuda.synchronize()
-        total = sum(e.time_range.elapsed_us() for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA)
-        samples.append(total / iters)
-    return statistics.median(samples)
+        by_name: dict[str, float] = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                name = e.name[:KERNEL_NAME_CHARS]
+                by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us()
+        windows.append((sum(by_name.values()) / iters, by_name))
+    windows.sort(key=lambda w: w[0])
+    _, by_name = windows[(len(windows) - 1) // 2]  # the median window (the lower one of an even count)
+    if kernels is not None:
+        kernels.update({name: round(us / iters, 2) for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])})
+    return statistics.median(w[0] for w in windows)
 
 
 def copy_ceiling(iters: int, repeats: int, device: str, numel: int = 1 << 30) -> float:
@@ -132,9 +145,12 @@ def bench_shape(m, n, dtype, iters, repeats, copy_gbs, device="cuda"):
         for pass_name, step, floor in (("fwd", fwd, 2), ("fwd+bwd", fwd_bwd, 5)):
             rec = {"M": m, "N": n, "dtype": str(dtype).removeprefix("torch."), "impl": name, "pass": pass_name}
             try:
-                us = gpu_us(step, iters, repeats)
+                kernels: dict[str, float] = {}
+                us = gpu_us(step, iters, repeats, kernels)
                 gbs = floor * m * n * elem / (us * 1e-6) / 1e9
                 rec.update(us=round(us, 2), GBs=round(gbs, 1), pct_of_copy=round(100 * gbs / copy_gbs, 1))
+                if kernels:
+                    rec["kernels_us"] = kernels
                 if pass_name == "fwd+bwd" and device == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
