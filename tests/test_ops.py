@@ -258,6 +258,21 @@ def test_double_backward_on_the_kernel_path(device):
     torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-4, rtol=1e-3)
 
 
+def test_backward_does_not_zero_fill_a_gradient_for_rstd(device):
+    """rstd is not differentiable: the backward node must not materialize a zero gradient for it
+    (an [M] fp32 fill kernel on every backward), and y's gradient still flows."""
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    w = torch.randn(16, device=device, requires_grad=True)
+    y, _ = torch.ops.rmsnorm.fwd(x, w, 1e-6)
+    dy = torch.ones_like(y)
+    with torch.profiler.profile() as prof:
+        y.backward(dy)
+    names = [e.name for e in prof.events()]
+    assert "rmsnorm::bwd" in names
+    assert not {"aten::zeros", "aten::zeros_like", "aten::zero_", "aten::fill_"} & set(names), names
+    assert x.grad is not None and w.grad is not None
+
+
 @pytest.mark.parametrize("k, e", [(0, 1), (1, 1), (1, 2), (2, 2), (4, 3)])
 @pytest.mark.parametrize("with_weight", [True, False])
 @pytest.mark.parametrize("stages", [1, 3])
@@ -414,9 +429,11 @@ def test_dweight_reduction_stages(device, splits):
     """The dweight reduction, one stage or two (a ragged last split, columns past a tile):
     every partial row counted once, and the same bits on a second run."""
     from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import REDUCE_BLOCK_N, REDUCE_BLOCK_P
+    from torch_rmsnorm_op.config import REDUCE_BLOCK_P
 
-    p, n = 2 * REDUCE_BLOCK_P + 5, REDUCE_BLOCK_N + 3
+    # More rows than a tile's (in every stage with splits 1 and 3); N past a whole number of
+    # tiles of any width the tiles take (32 to 4096 columns).
+    p, n = 2 * REDUCE_BLOCK_P + 5, 131
     partial = torch.randn(p, n, device=device)
     outs = []
     for _ in range(2):
@@ -429,13 +446,17 @@ def test_dweight_reduction_stages(device, splits):
 
 
 def test_reduce_splits_cover_every_partial_row():
-    from torch_rmsnorm_op.config import cdiv, reduce_splits
+    from torch_rmsnorm_op.config import REDUCE_BLOCK_P, REDUCE_TILE, cdiv, reduce_splits, reduce_tile
 
     for p in (1, 2, 31, 33, 100, 528, 4096):
         for n in (1, 256, 1024, 16384, 262144):
             s = reduce_splits(p, n, torch.device("cpu"))
             rows = cdiv(p, s)
             assert 1 <= s <= p and (s - 1) * rows < p <= s * rows, (p, n, s)
+        # A stage of up to REDUCE_BLOCK_P rows sums them in one step, with no tile rows to spare
+        # past the next power of two; every tile is REDUCE_TILE elements.
+        block_p, block_n = reduce_tile(p)
+        assert block_p * block_n == REDUCE_TILE and min(p, REDUCE_BLOCK_P) <= block_p < 2 * p, (p, block_p)
 
 
 def test_row_stride_past_2_to_the_31(device):

@@ -103,12 +103,18 @@ INTERPRETER_SM_COUNT = 4
 # 1.7%); at 128 MiB, wherever the scratch would be ~3% of dx.
 MERGE_SCRATCH_BYTES = 1 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
-# dweight reduction tile: partial rows x columns per step.
-REDUCE_BLOCK_P = 32
-REDUCE_BLOCK_N = 128
-# The reduction runs one program per column tile: N / 128 programs, 8 at N = 1024, each
-# summing hundreds of partial rows. When that is fewer than this many per SM, a first stage
-# splits the partial rows too (fixed splits, so still one fixed order).
+# dweight reduction tile (reduce_tile): a stage's partial rows per step, up to REDUCE_BLOCK_P,
+# times as many columns as keep the tile at REDUCE_TILE elements (16 KiB of fp32 per program).
+# Fixed (32 x 128) tiles left most of a tile's rows masked where a stage has few rows: 7.85 us
+# for 4 partial rows at N = 262144, 2048 programs (profiling/NOTES.md, session 9).
+REDUCE_TILE = 4096
+REDUCE_BLOCK_P = 128
+# Rows per split of a two-stage reduction's first stage, at least.
+REDUCE_SPLIT_ROWS = 32
+# The reduction runs one program per column tile. When one stage would have fewer programs
+# than SMs (N = 1024: 8 tiles of 128 columns, each summing a thousand partial rows), a first
+# stage splits the partial rows too, for about this many programs per SM (fixed splits, so
+# still one fixed order).
 REDUCE_PROGRAMS_PER_SM = 2
 
 
@@ -201,11 +207,20 @@ def partial_rows(groups: int, m: int, n: int, dtype: torch.dtype) -> int:
     return cdiv(groups, 2) if merge else groups
 
 
+def reduce_tile(rows: int) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_N)`` of a dweight reduction stage that sums ``rows`` rows per column."""
+    block_p = min(REDUCE_BLOCK_P, next_power_of_2(rows))
+    return block_p, REDUCE_TILE // block_p
+
+
 def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
     """Row splits of the dweight reduction's first stage (1: a single stage). Every split
     gets at least one partial row."""
-    want = cdiv(REDUCE_PROGRAMS_PER_SM * sm_count(device), cdiv(n, REDUCE_BLOCK_N))
-    splits = max(1, min(want, cdiv(partial_rows, REDUCE_BLOCK_P)))
+    sms = sm_count(device)
+    if cdiv(n, reduce_tile(partial_rows)[1]) >= sms:
+        return 1
+    want = cdiv(REDUCE_PROGRAMS_PER_SM * sms, cdiv(n, reduce_tile(REDUCE_SPLIT_ROWS)[1]))
+    splits = max(1, min(want, cdiv(partial_rows, REDUCE_SPLIT_ROWS)))
     return cdiv(partial_rows, cdiv(partial_rows, splits))
 
 

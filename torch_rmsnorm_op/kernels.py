@@ -53,14 +53,13 @@ import triton.language as tl
 from torch import Tensor
 
 from torch_rmsnorm_op.config import (
-    REDUCE_BLOCK_N,
-    REDUCE_BLOCK_P,
     KernelConfig,
     backward_config,
     cdiv,
     forward_config,
     partial_rows,
     reduce_splits,
+    reduce_tile,
     row_groups,
 )
 from torch_rmsnorm_op.layout import row_stride
@@ -594,21 +593,28 @@ def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
     return torch.empty((rows + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
 
 
-_REDUCE_CONSTS = dict(BLOCK_P=REDUCE_BLOCK_P, BLOCK_N=REDUCE_BLOCK_N)
+@functools.cache
+def _reduce_consts(rows: int) -> Mapping:
+    block_p, block_n = reduce_tile(rows)
+    return MappingProxyType(dict(BLOCK_P=block_p, BLOCK_N=block_n))
+
+
+def _reduce_stage(partial: Tensor, out: Tensor, splits: int) -> None:
+    """``out`` [splits, N] = sums of ``splits`` consecutive runs of the rows of ``partial`` [P, N]."""
+    p, n = partial.shape
+    rows = cdiv(p, splits)
+    consts = _reduce_consts(rows)
+    _run(_rms_norm_dw_reduce, partial.device, (cdiv(n, consts["BLOCK_N"]), splits), [partial, out, p, n, rows], consts)
 
 
 def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None) -> None:
     """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order: one
     stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows)."""
-    p, n = partial.shape
-    tiles = cdiv(n, REDUCE_BLOCK_N)
     with _on(partial.device):
         if mid is not None and mid.shape[0] > 1:
-            splits = mid.shape[0]
-            _run(_rms_norm_dw_reduce, partial.device, (tiles, splits), [partial, mid, p, n, cdiv(p, splits)],
-                 _REDUCE_CONSTS)
-            partial, p = mid, splits
-        _run(_rms_norm_dw_reduce, partial.device, (tiles, 1), [partial, dweight, p, n, p], _REDUCE_CONSTS)
+            _reduce_stage(partial, mid, mid.shape[0])
+            partial = mid
+        _reduce_stage(partial, dweight, 1)
 
 
 def launch_backward(

@@ -135,11 +135,16 @@ def _setup_context(ctx, inputs, output) -> None:
     x, weight, eps = inputs
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
+    # rstd never has a gradient: without this autograd would zero-fill one ([M] fp32, a kernel
+    # launch per backward) just to hand it to _backward, which ignores it.
+    ctx.set_materialize_grads(False)
     ctx.eps = eps
     ctx.save_for_backward(x, weight, rstd)
 
 
-def _backward(ctx, dy: Tensor, _drstd: Tensor | None):
+def _backward(ctx, dy: Tensor | None, _drstd: Tensor | None):
+    if dy is None:  # no gradient reached y (grads are not materialized): none flows back
+        return None, None, None
     x, weight, rstd = ctx.saved_tensors
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # create_graph=True: the gradient must itself be differentiable, rstd included,
