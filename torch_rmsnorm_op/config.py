@@ -31,18 +31,17 @@ MAX_SPLIT = 128
 # profiling/tune.py (-tune4) and the benchmark (-final4); at N = 8192 and 16384 the two
 # disagreed (tune.py +4.7 and +1.4 points, the benchmark -16 and -15), so those stay single-pass.
 FWD_LADDER = (
-    (1024, 4096, 8, {}),  # N=1024: 4 rows/program 95.7%
+    (1024, 2048, 2, {}),  # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; -tune9/b)
     (4096, 16384, 8, {}),  # N=4096: 4 rows 94.2% (1 row 93.1%)
-    (8192, 16384, 4, {}),  # N=8192: 2 rows 95.3% (8 warps 93.4%)
-    (16384, 16384, 8, {}),  # 94.0% (16 warps 91.9%)
+    (16384, 4096, 16, dict(looped=True)),  # 8192: 97.4% (2 rows x 4 warps 96.6%); 16384: 96.7% (96.1%; -tune9/b)
     (32768, 8192, 32, dict(looped=True)),  # 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%)
     # N=65536 and up: split mode (below): 81.4% at 65536 (looped 77.1%; -tune6/e, d)
 )
 # 4-byte dtypes (fp32): single-pass up to N=32768, as first tuned for bf16; the looped rungs
 # were not measured in the benchmark for fp32 (tune.py: N=32768 looped 77.5%, single-pass 87.8%).
 FWD_LADDER_FP32 = (
-    (1024, 4096, 8, {}),
-    (4096, 16384, 8, {}),
+    (1024, 1024, 1, {}),  # N=1024: 1 row x 1 warp 99.0% (4 rows x 8 warps 96.6%; -tune9/b)
+    (4096, 4096, 16, dict(looped=True)),  # N=4096: 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; -tune9/b)
     (8192, 16384, 4, {}),
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
