@@ -344,24 +344,34 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, stages=0)
+    with pytest.raises(ValueError, match="mask_free is for looped"):
+        KernelConfig(block_n=8192, rows=2, num_warps=16, mask_free=True)
 
 
 @pytest.mark.parametrize("has_weight", [True, False])
 @pytest.mark.parametrize("stages", [1, 3])
-def test_looped_forward(device, has_weight, stages):
+@pytest.mark.parametrize("mask_free", [False, True])
+@pytest.mark.parametrize("n", [300, 256])
+def test_looped_forward(device, has_weight, stages, mask_free, n):
     """The looped forward (``KernelConfig.looped``: one row per program, x read twice in
-    ``block_n`` steps), a ragged last step, strided rows: the reference's values."""
+    ``block_n`` steps), a ragged last step (N = 300: 128, 128, 44; ``mask_free`` must keep its
+    masks there) or whole steps (256, where ``mask_free`` drops them), strided rows: the
+    reference's values, and nothing written past the row."""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig
 
-    m, n = 5, 300  # steps of 128: 128, 128, 44
+    m = 5
     x = torch.randn(m, n + 20, device=device)[:, :n]
     w = torch.randn(n, device=device) if has_weight else None
-    y, rstd = torch.full((m, n), float("nan"), device=device), torch.full((m,), float("nan"), device=device)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, KernelConfig(block_n=128, rows=1, num_warps=1, looped=True, stages=stages))
+    out = torch.full((m, n + 20), float("nan"), device=device)
+    y, rstd = out[:, :n], torch.full((m,), float("nan"), device=device)
+    cfg = KernelConfig(block_n=128, rows=1, num_warps=1, looped=True, stages=stages, mask_free=mask_free)
+    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
     y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
+    assert out[:, n:].isnan().all()
+    assert kernels.constexprs(cfg, False, has_weight, even_steps=n % 128 == 0)["EVEN_STEPS"] == (mask_free and n == 256)
 
 
 @pytest.mark.cuda

@@ -29,19 +29,27 @@ MAX_SPLIT = 128
 # registers), or looped (``looped``: one row per program, elements = columns per step, x read
 # twice, the second time from cache: Inductor's loop). The looped rungs were measured twice:
 # profiling/tune.py (-tune4) and the benchmark (-final4); at N = 8192 and 16384 the two
-# disagreed (tune.py +4.7 and +1.4 points, the benchmark -16 and -15), so those stay single-pass.
+# disagreed (tune.py +4.7 and +1.4 points, the benchmark -16 and -15). Since session 9 tune.py
+# can time as the benchmark does (--timing bench); so timed, Inductor's own rung (4096 columns
+# x 16 warps) wins at 8192 and 16384 (-tune9/b), and the benchmark agreed (-final10).
 FWD_LADDER = (
     (1024, 2048, 2, {}),  # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; -tune9/b)
     (4096, 16384, 8, {}),  # N=4096: 4 rows 94.2% (1 row 93.1%)
-    (16384, 4096, 16, dict(looped=True)),  # 8192: 97.4% (2 rows x 4 warps 96.6%); 16384: 96.7% (96.1%; -tune9/b)
-    (32768, 8192, 32, dict(looped=True)),  # 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%)
+    # Looped rungs without masks where N allows (mask_free), -tune9/d, the benchmark's timing:
+    # 8192: 98.6% (masked 97.6%), 16384: 97.5% (97.0%), 32768: 98.1% (94.0%).
+    # 8192: 97.4% masked (2 rows x 4 warps 96.6%); 16384: 96.7% (single-pass 96.1%; -tune9/b)
+    (16384, 4096, 16, dict(looped=True, mask_free=True)),
+    # 32768: 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%; -tune4, masked)
+    (32768, 8192, 32, dict(looped=True, mask_free=True)),
     # N=65536 and up: split mode (below): 81.4% at 65536 (looped 77.1%; -tune6/e, d)
 )
-# 4-byte dtypes (fp32): single-pass up to N=32768, as first tuned for bf16; the looped rungs
-# were not measured in the benchmark for fp32 (tune.py: N=32768 looped 77.5%, single-pass 87.8%).
+# 4-byte dtypes (fp32): N <= 4096 from the benchmark's timing (-tune9/b); above, single-pass as
+# first tuned for bf16 (tune.py, -tune4: N=32768 looped 77.5%, single-pass 87.8%).
 FWD_LADDER_FP32 = (
     (1024, 1024, 1, {}),  # N=1024: 1 row x 1 warp 99.0% (4 rows x 8 warps 96.6%; -tune9/b)
-    (4096, 4096, 16, dict(looped=True)),  # N=4096: 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; -tune9/b)
+    # N=4096: 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; -tune9/b); without masks 93.2% (-tune9/d), not
+    # explained: the PTX differs only in the loads' predicates.
+    (4096, 4096, 16, dict(looped=True)),
     (8192, 16384, 4, {}),
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
@@ -133,7 +141,8 @@ class KernelConfig:
     ``programs_per_sm`` sizes the backward grid (and so its groups x N dweight scratch) and the
     forward's in split mode;
     ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
-    ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice;
+    ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice, without
+    masks (``mask_free``) where N is a multiple of ``block_n``;
     ``reload`` (single-pass backward) reads x and dy again after the row sum;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory."""
@@ -147,11 +156,14 @@ class KernelConfig:
     looped: bool = False
     reload: bool = False
     stages: int = 1
+    mask_free: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
         if self.looped and (self.rows != 1 or self.split != 1):
             raise ValueError(f"KernelConfig: looped needs rows == 1 and split == 1, got {self}")
+        if self.mask_free and not self.looped:
+            raise ValueError(f"KernelConfig: mask_free is for looped configs, got {self}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:

@@ -16,7 +16,8 @@ dim contiguous, any row stride). Three ways to cover a row:
   registers across it;
 - looped mode (forward, ``LOOPED``): one row per program in ``BLOCK_N`` steps,
   a first pass for the sum of squares and a second that re-reads x (from L2) to
-  write y, as Inductor's reductions do;
+  write y, as Inductor's reductions do; without masks (``EVEN_STEPS``) where the
+  table asks for it and N is a multiple of ``BLOCK_N``;
 - split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
   ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
   group's rows together. Each publishes its partial sum for a row in a slot
@@ -163,26 +164,29 @@ def _rms_norm_fwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
+    EVEN_STEPS: tl.constexpr,  # looped, N a multiple of BLOCK_N: steps without masks
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
         row = tl.program_id(0).to(tl.int64)
+        other = None if EVEN_STEPS else 0.0
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
-            x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
+            mask = None if EVEN_STEPS else cols < N
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
             x = x.to(tl.float32)
             acc += x * x
         rstd = _rstd(tl.sum(acc, axis=0), N, eps)
         for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = cols < N
-            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+            mask = None if EVEN_STEPS else cols < N
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_first")
             y = x.to(tl.float32) * rstd
             if HAS_WEIGHT:
-                y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+                y = y * tl.load(W + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
             tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(RSTD + row, rstd)
@@ -470,14 +474,16 @@ def _on(device: torch.device):
 
 @functools.cache
 def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True,
-               merge: bool = False) -> Mapping:
+               merge: bool = False, even_steps: bool = False) -> Mapping:
     """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
-    kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config."""
+    kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config.
+    ``even_steps``: N is a multiple of ``cfg.block_n`` (used by looped configs that ask for it)."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
         out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
     else:
-        out |= dict(LOOPED=cfg.looped, STAGES=cfg.stages, STORE_RSTD=store_rstd)
+        out |= dict(LOOPED=cfg.looped, EVEN_STEPS=cfg.mask_free and even_steps, STAGES=cfg.stages,
+                    STORE_RSTD=store_rstd)
     return MappingProxyType(out)
 
 
@@ -574,7 +580,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
-    consts = constexprs(cfg, False, weight is not None, rstd is not None)
+    consts = constexprs(cfg, False, weight is not None, rstd is not None, even_steps=n % cfg.block_n == 0)
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):
