@@ -34,9 +34,10 @@ row group (split) has one fp32 partial row; where that scratch is large
 its partial to the first's (``_merge_partial``; a + b == b + a in fp32, so the
 bits do not depend on which is first). Scratch is groups (or groups / 2) x N,
 never M x N. ``_rms_norm_dw_reduce`` then sums those rows in a fixed order, in
-one stage or, when N has few column tiles, two (``reduce_dweight``). No float
-atomics anywhere. The launchers take validated 2-D tensors and write
-into the outputs they are given; ``ops.py`` allocates and validates. A kernel's
+one stage or, when one would leave fewer programs than SMs, two
+(``reduce_dweight``; tiles from ``config.reduce_tile``). No float atomics
+anywhere. The launchers take validated 2-D tensors and write into the outputs
+they are given; ``ops.py`` allocates and validates. A kernel's
 first launch for a specialization goes through Triton's JIT, later ones through
 the compiled kernel's own launcher (``_run``).
 """
