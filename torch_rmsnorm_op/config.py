@@ -35,11 +35,11 @@ MAX_SPLIT = 128
 FWD_LADDER = (
     (1024, 2048, 2, {}),  # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; -tune9/b)
     (4096, 16384, 8, {}),  # N=4096: 4 rows 94.2% (1 row 93.1%)
-    # Looped rungs without masks where N allows (mask_free), -tune9/d, the benchmark's timing:
-    # 8192: 98.6% (masked 97.6%), 16384: 97.5% (97.0%), 32768: 98.1% (94.0%).
-    # 8192: 97.4% masked (2 rows x 4 warps 96.6%); 16384: 96.7% (single-pass 96.1%; -tune9/b)
+    # Looped, masked (-tune9/b): 8192 97.4% (2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
+    # 96.1%); 32768 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%; -tune4). Without
+    # masks where N allows (mask_free; -tune9/d): 8192 98.6% (97.6%), 16384 97.5% (97.0%), 32768
+    # 98.1% (94.0%).
     (16384, 4096, 16, dict(looped=True, mask_free=True)),
-    # 32768: 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%; -tune4, masked)
     (32768, 8192, 32, dict(looped=True, mask_free=True)),
     # N=65536 and up: split mode (below): 81.4% at 65536 (looped 77.1%; -tune6/e, d)
 )
@@ -48,7 +48,7 @@ FWD_LADDER = (
 FWD_LADDER_FP32 = (
     (1024, 1024, 1, {}),  # N=1024: 1 row x 1 warp 99.0% (4 rows x 8 warps 96.6%; -tune9/b)
     # N=4096: 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; -tune9/b); without masks 93.2% (-tune9/d), not
-    # explained: the PTX differs only in the loads' predicates.
+    # explained: the PTX differs only in the loads' and stores' predicates.
     (4096, 4096, 16, dict(looped=True)),
     (8192, 16384, 4, {}),
     (16384, 16384, 8, {}),

@@ -601,8 +601,7 @@ def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
 
 
 @functools.cache
-def _reduce_consts(rows: int) -> Mapping:
-    block_p, block_n = reduce_tile(rows)
+def _reduce_consts(block_p: int, block_n: int) -> Mapping:
     return MappingProxyType(dict(BLOCK_P=block_p, BLOCK_N=block_n))
 
 
@@ -610,7 +609,7 @@ def _reduce_stage(partial: Tensor, out: Tensor, splits: int) -> None:
     """``out`` [splits, N] = sums of ``splits`` consecutive runs of the rows of ``partial`` [P, N]."""
     p, n = partial.shape
     rows = cdiv(p, splits)
-    consts = _reduce_consts(rows)
+    consts = _reduce_consts(*reduce_tile(rows))
     _run(_rms_norm_dw_reduce, partial.device, (cdiv(n, consts["BLOCK_N"]), splits), [partial, out, p, n, rows], consts)
 
 

@@ -3,7 +3,9 @@
 ``python profiling/variants/apply.py NAME [--revert]`` rewrites ``torch_rmsnorm_op/kernels.py``
 in place: each variant is one text replacement of the current code. Variants of code that is
 gone live in git history: polling the row barrier's counter with volatile loads
-(``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter.
+(``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter; the looped
+forward without masks (``unmasked_looped``, ``unmasked_looped2``, session 9) at 7cefc12, since
+then the kernel's ``EVEN_STEPS``.
 """
 
 import pathlib
@@ -27,29 +29,6 @@ VARIANTS = {
             dy = _load_rows(dy_ptrs, mask, "evict_last" if RELOAD else "")""",
         """            x = _load_rows(x_ptrs, mask, "evict_last" if RELOAD else "evict_first")
             dy = _load_rows(dy_ptrs, mask, "evict_last" if RELOAD else "evict_first")""",
-    ),
-    # The looped forward without masks (only for N a multiple of BLOCK_N: a comparison on the
-    # benchmark's shapes, not a kernel to ship), as Inductor's static-shape loops are (session 9).
-    "unmasked_looped": (
-        """            x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0, eviction_policy="evict_last")
-            x = x.to(tl.float32)
-            acc += x * x""",
-        """            x = tl.load(X + row * stride_x + cols, eviction_policy="evict_last")
-            x = x.to(tl.float32)
-            acc += x * x""",
-    ),
-    "unmasked_looped2": (
-        """            mask = cols < N
-            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-            y = x.to(tl.float32) * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)""",
-        """            x = tl.load(X + row * stride_x + cols, eviction_policy="evict_first")
-            y = x.to(tl.float32) * rstd
-            if HAS_WEIGHT:
-                y = y * tl.load(W + cols, eviction_policy="evict_last").to(tl.float32)
-            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty))""",
     ),
     # Split mode's exchange with a back-off: a program whose row total is not ready sleeps
     # ~100 ns between polls instead of re-reading its slots back to back (session 9: under ncu
