@@ -45,11 +45,15 @@ def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
     return ptrs | {name: INTS.get(name, "fp32") for name in rest}
 
 
-def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge: bool = False) -> tuple[int, int]:
+def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge: bool = False,
+                   n: int | None = None) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
-    read from the compiled cubin by Triton's bundled ``cuobjdump``."""
+    read from the compiled cubin by Triton's bundled ``cuobjdump``; ``n``, if given, picks the
+    specialization the launcher would (a looped ``mask_free`` config without masks when N is a
+    multiple of its step)."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward))
+    even = n is not None and n % cfg.block_n == 0
+    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, even_steps=even))
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
     # N and the row strides multiples of 16. Without it the loads are not vectorized.
@@ -80,7 +84,7 @@ def main() -> None:
         backward, dtype, n = pass_name == "bwd", getattr(torch, dtype_name), int(n)
         table = (backward_config if backward else forward_config)(n, dtype)
         for cfg in [table] + (neighbours(table, backward, n) if args.near else []):
-            regs, stack = resource_usage(backward, dtype, cfg, args.merge)
+            regs, stack = resource_usage(backward, dtype, cfg, args.merge, n)
             print(f"{job} {'table' if cfg == table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}")
 
 
