@@ -4,7 +4,7 @@ on a machine without a GPU: Triton's compiler and its bundled ``cuobjdump``.
 A spilling configuration is slow on the device (profiling/NOTES.md), so this answers "does it
 fit?" before any device time is spent. Compiles the table's configuration for each job, and
 with ``--near`` the neighbours ``tune.py --near`` would time. Do not set TRITON_INTERPRET.
-Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--near] [--reread]``.
+Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--near]``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tune import neighbours, reread  # noqa: E402
+from tune import neighbours  # noqa: E402
 
 from torch_rmsnorm_op import kernels  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
@@ -74,7 +74,6 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", default="fwd:bfloat16:32768,bwd:bfloat16:4096,bwd:bfloat16:16384,bwd:float32:16384")
     p.add_argument("--near", action="store_true", help="also the neighbours tune.py --near times")
-    p.add_argument("--reread", action="store_true", help="also the split-mode variants tune.py --reread times")
     p.add_argument("--merge", action="store_true", help="backward with its dweight partials merged in pairs")
     args = p.parse_args()
     if kernels.is_interpreted():
@@ -84,8 +83,7 @@ def main() -> None:
         pass_name, dtype_name, n = job.split(":")
         backward, dtype, n = pass_name == "bwd", getattr(torch, dtype_name), int(n)
         table = (backward_config if backward else forward_config)(n, dtype)
-        cands = (neighbours(table, backward, n) if args.near else []) + (reread(table) if args.reread else [])
-        for cfg in [table] + cands:
+        for cfg in [table] + (neighbours(table, backward, n) if args.near else []):
             regs, stack = resource_usage(backward, dtype, cfg, args.merge, n)
             print(f"{job} {'table' if cfg == table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}")
 

@@ -275,18 +275,16 @@ def test_backward_does_not_zero_fill_a_gradient_for_rstd(device):
 
 @pytest.mark.parametrize("k, e", [(0, 1), (1, 1), (1, 2), (2, 2), (4, 3)])
 @pytest.mark.parametrize("with_weight", [True, False])
-@pytest.mark.parametrize("stages, reload, ahead", [(1, False, 1), (3, False, 1), (1, True, 1), (2, True, 3)])
-def test_split_mode_row_groups(device, k, e, with_weight, stages, reload, ahead):
+@pytest.mark.parametrize("stages", [1, 3])
+def test_split_mode_row_groups(device, k, e, with_weight, stages):
     """Split mode's row pipeline, forward and backward, at its edges, M = k * G + e rows for a
-    grid of G row groups: one row; groups of one, two and more rows, fewer than ``ahead``; a
-    last group shorter than the others (it walks phantom rows); loads in the loop (``stages``
-    1) and prefetched into shared memory; a row kept in registers or read again (``reload``)
-    with its partial published one or three rows ahead."""
+    grid of G row groups: one row; groups of one, two and more rows; a last group shorter than
+    the others (it walks phantom rows); loads in the loop (``stages`` 1) and prefetched two rows
+    ahead into shared memory (3)."""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, sm_count
 
-    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages,
-                       reload=reload, ahead=ahead)
+    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages)
     m, n = k * (cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split) + e, 3000
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
     w = torch.randn(n, device=device) if with_weight else None
@@ -342,12 +340,8 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=4096, rows=1, num_warps=16, split=2, looped=True)
     with pytest.raises(ValueError, match="looped needs rows == 1"):
         KernelConfig(block_n=4096, rows=2, num_warps=16, looped=True)
-    with pytest.raises(ValueError, match="reload is for single-pass and split"):
-        KernelConfig(block_n=8192, rows=1, num_warps=16, looped=True, reload=True)
-    with pytest.raises(ValueError, match="ahead > 1 needs split mode with reload"):
-        KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, ahead=2)
-    with pytest.raises(ValueError, match="ahead > 1 needs split mode with reload"):
-        KernelConfig(block_n=8192, rows=2, num_warps=16, reload=True, ahead=2)
+    with pytest.raises(ValueError, match="reload is single-pass only"):
+        KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, stages=0)
     with pytest.raises(ValueError, match="mask_free is for looped"):

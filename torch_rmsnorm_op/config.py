@@ -143,9 +143,7 @@ class KernelConfig:
     ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
     ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice, without
     masks (``mask_free``) where N is a multiple of ``block_n``;
-    ``reload`` (single-pass backward, split mode) reads x (and dy) again after the row sum;
-    ``ahead`` (split mode) is how many rows ahead of the one it writes a program publishes its
-    partials: above 1 needs ``reload``;
+    ``reload`` (single-pass backward) reads x and dy again after the row sum;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory."""
 
@@ -159,7 +157,6 @@ class KernelConfig:
     reload: bool = False
     stages: int = 1
     mask_free: bool = False
-    ahead: int = 1
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -169,10 +166,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: mask_free is for looped configs, got {self}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
-        if self.reload and self.looped:
-            raise ValueError(f"KernelConfig: reload is for single-pass and split configs, got {self}")
-        if self.ahead < 1 or (self.ahead > 1 and not (self.reload and self.split > 1)):
-            raise ValueError(f"KernelConfig: ahead > 1 needs split mode with reload, got {self}")
+        if self.reload and self.split != 1:
+            raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
 
 
 def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int,

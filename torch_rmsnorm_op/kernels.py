@@ -107,15 +107,15 @@ mov.b64 $0, w;
 
 
 @triton.jit
-def _publish(value, SLOTS, chunk, PHASE: tl.constexpr, publish=None):
-    """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row (if ``publish``, when given)."""
+def _publish(value, SLOTS, chunk, PHASE: tl.constexpr):
+    """Split mode: publish this program's fp32 partial in slot ``chunk`` of its row."""
     if PHASE != 2:
-        tl.atomic_xchg(SLOTS + chunk, _slot_word(value), mask=publish, sem="relaxed")
+        tl.atomic_xchg(SLOTS + chunk, _slot_word(value), sem="relaxed")
 
 
 @triton.jit
-def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.constexpr, AHEAD: tl.constexpr):
-    """Split mode: publish ``value``, this program's partial of row ``row + AHEAD``, if ``publish``;
+def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode: publish ``value``, this program's partial of row ``row + 1``, if ``publish``;
     then read row ``row``'s SPLIT slots until every flag is set and return the sum of their
     values in slot order (one fixed order). The launcher zeroes the slots and numbers a row's
     programs consecutively, so every one gets to publish. Under the interpreter (``PHASE`` 1,
@@ -125,12 +125,12 @@ def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.
     if PHASE == 0:
         words = tl.inline_asm_elementwise(
             _EXCHANGE_ASM, "=l,l,l,r,l",
-            [SLOTS + row * SPLIT + slots, SLOTS + (row + AHEAD) * SPLIT + slots,
+            [SLOTS + row * SPLIT + slots, SLOTS + (row + 1) * SPLIT + slots,
              ((slots == chunk) & publish).to(tl.int32), _slot_word(value) + tl.zeros([SPLIT], tl.int64)],
             dtype=tl.int64, is_pure=False, pack=1)
     else:
         if publish:
-            _publish(value, SLOTS + (row + AHEAD) * SPLIT, chunk, PHASE)
+            _publish(value, SLOTS + (row + 1) * SPLIT, chunk, PHASE)
         words = tl.load(SLOTS + row * SPLIT + slots)
     if PHASE != 1:
         total = tl.sum((words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), axis=0)
@@ -138,12 +138,12 @@ def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.
 
 
 @triton.jit
-def _load_chunk(P, stride, row_start, i, offs, width, M, rows_per_group, POLICY: tl.constexpr = ""):
+def _load_chunk(P, stride, row_start, i, offs, width, M, rows_per_group):
     """Split mode: this program's chunk (``P`` moved to it, ``width`` columns left in the row)
     of row ``row_start + i`` of its group, as stored: zeros past M or past the group's rows."""
     row = row_start + i
     return tl.load(P + row * stride + offs, mask=offs < tl.where((row < M) & (i < rows_per_group), width, 0),
-                   other=0.0, eviction_policy=POLICY)
+                   other=0.0)
 
 
 @triton.jit
@@ -168,8 +168,6 @@ def _rms_norm_fwd(
     EVEN_STEPS: tl.constexpr,  # looped, N a multiple of BLOCK_N: steps without masks
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
-    RELOAD: tl.constexpr,  # split mode: read a row's chunk again for y instead of keeping it
-    AHEAD: tl.constexpr,  # split mode: a program publishes row i + AHEAD's partial, then writes row i
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
@@ -209,7 +207,7 @@ def _rms_norm_fwd(
             tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
         # Split mode, as in the backward: SPLIT programs per row group walk the group's rows.
-        # At row i a program publishes its partial of row i + AHEAD, then waits for row i's total
+        # At row i a program publishes its partial of row i + 1, then waits for row i's total
         # (_exchange), so the exchange overlaps a row's work; Triton's pipeliner loads rows
         # STAGES - 1 ahead into shared memory. Rows past M are phantoms with slots of their own.
         pid = tl.program_id(0).to(tl.int64)
@@ -219,33 +217,22 @@ def _rms_norm_fwd(
         X, Y, W = X + start, Y + start, W + start  # 32-bit offsets within the chunk
         offs = tl.arange(0, BLOCK_N)
         width = N - start
-        # With RELOAD a row's chunk is read twice, for its partial (kept in L2: evict_last) and
-        # again for y, AHEAD rows later; without it, carried in registers (AHEAD is 1).
-        policy: tl.constexpr = "evict_last" if RELOAD else ""
-        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group, policy)
+        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
         _publish(_sum_sq(x0), SLOTS + row_start * SPLIT, chunk, PHASE)
-        for j in tl.static_range(1, AHEAD):
-            xj = _load_chunk(X, stride_x, row_start, j, offs, width, M, rows_per_group, policy)
-            _publish(_sum_sq(xj), SLOTS + (row_start + j) * SPLIT, chunk, PHASE, j < rows_per_group)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i
-            x1 = _load_chunk(X, stride_x, row_start, i + AHEAD, offs, width, M, rows_per_group, policy)
-            # past the group's rows the slots are the next group's: not published
-            sum_sq = _exchange(_sum_sq(x1), i + AHEAD < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE, AHEAD)
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
+            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
+            sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = _rstd(sum_sq, N, eps)
-                if RELOAD:
-                    x = _load_chunk(X, stride_x, row_start, i, offs, width, M, rows_per_group, "evict_first")
-                else:
-                    x = x0
-                y = x.to(tl.float32) * rstd
+                y = x0.to(tl.float32) * rstd
                 if HAS_WEIGHT:
                     y = y * tl.load(W + offs, mask=offs < width, other=0.0).to(tl.float32)
                 tl.store(Y + row * stride_y + offs, y.to(Y.dtype.element_ty), mask=offs < tl.where(row < M, width, 0))
                 if STORE_RSTD:
                     tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
-            if not RELOAD:
-                x0 = x1
+            x0 = x1
 
 
 @triton.jit
@@ -326,10 +313,9 @@ def _rms_norm_bwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     COUNTED_LOOP: tl.constexpr,  # single-pass loop form: 0..rows_per_group, else row_start..row_end
-    RELOAD: tl.constexpr,  # read x and dy again after the row sum (from L1/L2) instead of keeping them
+    RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
     STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
     MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
-    AHEAD: tl.constexpr,  # split mode: a program publishes row i + AHEAD's partial, then writes row i
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -380,7 +366,7 @@ def _rms_norm_bwd(
         # Every group walks rows_per_group rows; the last group's rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
         # rows), so all SPLIT programs of a group still meet at each one. At row i a program
-        # publishes its partial of row i + AHEAD, then waits for row i's total (_exchange); Triton's
+        # publishes its partial of row i + 1, then waits for row i's total (_exchange); Triton's
         # pipeliner loads rows STAGES - 1 ahead into shared memory. x and dy stay in their own
         # dtype until used, and w is re-read from cache, to leave registers for them.
         # Offsets within the chunk are 32-bit, from pointers moved to the chunk: 64-bit ones took
@@ -391,34 +377,20 @@ def _rms_norm_bwd(
         offs = tl.arange(0, BLOCK_N)
         width = N - start  # of this chunk, may exceed BLOCK_N
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        # With RELOAD a row's chunks are read twice, for its partial (kept in L2: evict_last) and
-        # again for dx, AHEAD rows later; without it, carried in registers (AHEAD is 1).
-        policy: tl.constexpr = "evict_last" if RELOAD else ""
-        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group, policy)
-        dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group, policy)
+        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
+        dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group)
         _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
                  chunk, PHASE)
-        for j in tl.static_range(1, AHEAD):
-            xj = _load_chunk(X, stride_x, row_start, j, offs, width, M, rows_per_group, policy)
-            dyj = _load_chunk(DY, stride_dy, row_start, j, offs, width, M, rows_per_group, policy)
-            _publish(_dot(xj, dyj, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT),
-                     SLOTS + (row_start + j) * SPLIT, chunk, PHASE, j < rows_per_group)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i
-            x1 = _load_chunk(X, stride_x, row_start, i + AHEAD, offs, width, M, rows_per_group, policy)
-            dy1 = _load_chunk(DY, stride_dy, row_start, i + AHEAD, offs, width, M, rows_per_group, policy)
-            # past the group's rows the slots are the next group's: not published
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
+            dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, offs, width, M, rows_per_group)
+            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
             w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
-            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + AHEAD < rows_per_group, SLOTS, row, chunk, SPLIT,
-                            PHASE, AHEAD)
+            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
             if PHASE != 1:
-                if RELOAD:
-                    x = _load_chunk(X, stride_x, row_start, i, offs, width, M, rows_per_group, "evict_first")
-                    dy = _load_chunk(DY, stride_dy, row_start, i, offs, width, M, rows_per_group, "evict_first")
-                    x, dy = x.to(tl.float32), dy.to(tl.float32)
-                else:
-                    x = x0.to(tl.float32)
-                    dy = dy0.to(tl.float32)
+                x = x0.to(tl.float32)
+                dy = dy0.to(tl.float32)
                 u = dy
                 if HAS_WEIGHT:
                     u = dy * w
@@ -428,8 +400,7 @@ def _rms_norm_bwd(
                          mask=offs < tl.where(row < M, width, 0))
                 if HAS_WEIGHT:
                     dw_acc += dy * x * rstd
-            if not RELOAD:
-                x0, dy0 = x1, dy1
+            x0, dy0 = x1, dy1
         if PHASE != 1 and HAS_WEIGHT:
             _store_partial(dw_acc, DW_PARTIAL, DW_FLAGS, group, N, start + offs, offs < width, SPLIT, chunk, MERGE)
 
@@ -510,11 +481,10 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: 
     ``even_steps``: N is a multiple of ``cfg.block_n`` (used by looped configs that ask for it)."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
-        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge,
-                    AHEAD=cfg.ahead)
+        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
     else:
         out |= dict(LOOPED=cfg.looped, EVEN_STEPS=cfg.mask_free and even_steps, STAGES=cfg.stages,
-                    STORE_RSTD=store_rstd, RELOAD=cfg.reload, AHEAD=cfg.ahead)
+                    STORE_RSTD=store_rstd)
     return MappingProxyType(out)
 
 
