@@ -7,10 +7,9 @@ clears L2 before every call, or with ``--timing bench`` the benchmark's own meas
 window), which is what the targets are judged on; the two have disagreed (profiling/NOTES.md).
 ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
 table's neighbours, ``--table`` only the table's config (to compare kernel variants),
-``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``),
-``--persistent`` the table's and looped forwards from a persistent grid;
+``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``);
 ``profiling/host_overhead.py`` breaks down the host cost of a call.
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table | --staged | --persistent]
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table | --staged]
 [--timing bench]``;
 writes ``DIR/<tag>.json``.
 """
@@ -77,13 +76,6 @@ def staged(cfg: KernelConfig) -> list[KernelConfig]:
     return [c for c in out if c != cfg]
 
 
-def persistent_looped(n: int) -> list[KernelConfig]:
-    """Looped forwards from a persistent grid (``persistent``: 1 or 2 programs per SM, so that
-    the rows between a row's two reads fit in L2), for rows of ``n`` columns."""
-    return [KernelConfig(b, 1, w, programs_per_sm=p, looped=True, stages=s, mask_free=True, persistent=True)
-            for b in (8192, 16384) for w in (16, 32) for p in (1, 2) for s in (1, 2) if b <= n]
-
-
 def _split_forwards(row: int) -> list[KernelConfig]:
     """Split-mode forwards for a row of ``row`` (a power of two) columns, from N = 32768 on."""
     shapes = ((8192, 4), (8192, 8), (16384, 8))
@@ -147,7 +139,7 @@ def bench(fn):
 
 def tune(
     pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False,
-    only_staged: bool = False, only_persistent: bool = False,
+    only_staged: bool = False,
 ) -> list[dict]:
     """Time the table's config and the candidates for one (pass, N, dtype); best first."""
     elem = dtype.itemsize
@@ -165,8 +157,6 @@ def tune(
         cands = []
     elif only_staged:
         cands = staged(table)
-    elif only_persistent:
-        cands = persistent_looped(n)
     elif near:
         cands = neighbours(table, backward, n)
     else:
@@ -230,7 +220,6 @@ def main():
     p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
     p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
     p.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
-    p.add_argument("--persistent", action="store_true", help="only the table's config and persistent looped forwards")
     p.add_argument("--tag", default="tune", help="output file stem")
     p.add_argument("--timing", choices=("do_bench", "bench"), default="do_bench",
                    help="do_bench (L2 cleared before each call) or the benchmark's back-to-back profiler time")
@@ -252,7 +241,7 @@ def main():
     for job in args.jobs.split(","):
         pass_name, dtype, n = job.split(":")
         results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table,
-                                      args.staged, args.persistent)
+                                      args.staged)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
 

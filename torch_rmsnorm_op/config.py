@@ -142,8 +142,7 @@ class KernelConfig:
     forward's in split mode;
     ``counted_loop`` picks the single-pass backward's row-loop form (``kernels._rms_norm_bwd``);
     ``looped`` (forward) walks one row per program in ``block_n`` steps, reading x twice, without
-    masks (``mask_free``) where N is a multiple of ``block_n``, and with ``persistent`` from a grid
-    of ``programs_per_sm`` programs per SM, each walking rows a grid apart;
+    masks (``mask_free``) where N is a multiple of ``block_n``;
     ``reload`` (single-pass backward) reads x and dy again after the row sum;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory."""
@@ -158,14 +157,13 @@ class KernelConfig:
     reload: bool = False
     stages: int = 1
     mask_free: bool = False
-    persistent: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
         if self.looped and (self.rows != 1 or self.split != 1):
             raise ValueError(f"KernelConfig: looped needs rows == 1 and split == 1, got {self}")
-        if (self.mask_free or self.persistent) and not self.looped:
-            raise ValueError(f"KernelConfig: mask_free and persistent are for looped configs, got {self}")
+        if self.mask_free and not self.looped:
+            raise ValueError(f"KernelConfig: mask_free is for looped configs, got {self}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:

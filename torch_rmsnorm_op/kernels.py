@@ -63,7 +63,6 @@ from torch_rmsnorm_op.config import (
     reduce_splits,
     reduce_tile,
     row_groups,
-    sm_count,
 )
 from torch_rmsnorm_op.layout import row_stride
 
@@ -148,32 +147,6 @@ def _load_chunk(P, stride, row_start, i, offs, width, M, rows_per_group):
 
 
 @triton.jit
-def _looped_row(X, W, Y, RSTD, row, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                EVEN_STEPS: tl.constexpr, STAGES: tl.constexpr, STORE_RSTD: tl.constexpr):
-    """Looped forward of one row in BLOCK_N steps: the first pass keeps x in L2 (evict_last)
-    for the second, which streams it out."""
-    other = None if EVEN_STEPS else 0.0
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = None if EVEN_STEPS else cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
-        x = x.to(tl.float32)
-        acc += x * x
-    rstd = _rstd(tl.sum(acc, axis=0), N, eps)
-    for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
-        cols = start + tl.arange(0, BLOCK_N)
-        mask = None if EVEN_STEPS else cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_first")
-        y = x.to(tl.float32) * rstd
-        if HAS_WEIGHT:
-            y = y * tl.load(W + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(RSTD + row, rstd)
-
-
-@triton.jit
 def _rms_norm_fwd(
     X,  # input  [M, N], row stride stride_x, last dim contiguous
     W,  # weight [N] (ignored unless HAS_WEIGHT)
@@ -192,19 +165,32 @@ def _rms_norm_fwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
-    PERSISTENT: tl.constexpr,  # looped: a program walks rows a grid apart (a grid of programs_per_sm per SM)
     EVEN_STEPS: tl.constexpr,  # looped, N a multiple of BLOCK_N: steps without masks
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
 ):
     if LOOPED:
-        if PERSISTENT:  # a grid of a few programs per SM, each walking rows a grid apart
-            for row in tl.range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
-                _looped_row(X, W, Y, RSTD, row, stride_x, stride_y, N, eps, BLOCK_N, HAS_WEIGHT, EVEN_STEPS, STAGES,
-                            STORE_RSTD)
-        else:
-            _looped_row(X, W, Y, RSTD, tl.program_id(0).to(tl.int64), stride_x, stride_y, N, eps, BLOCK_N,
-                        HAS_WEIGHT, EVEN_STEPS, STAGES, STORE_RSTD)
+        # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
+        row = tl.program_id(0).to(tl.int64)
+        other = None if EVEN_STEPS else 0.0
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = None if EVEN_STEPS else cols < N
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
+            x = x.to(tl.float32)
+            acc += x * x
+        rstd = _rstd(tl.sum(acc, axis=0), N, eps)
+        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = None if EVEN_STEPS else cols < N
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_first")
+            y = x.to(tl.float32) * rstd
+            if HAS_WEIGHT:
+                y = y * tl.load(W + cols, mask=mask, other=other, eviction_policy="evict_last").to(tl.float32)
+            tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        if STORE_RSTD:
+            tl.store(RSTD + row, rstd)
     elif SPLIT == 1:
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_mask = rows < M
@@ -497,8 +483,8 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: 
     if backward:
         out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
     else:
-        out |= dict(LOOPED=cfg.looped, PERSISTENT=cfg.persistent, EVEN_STEPS=cfg.mask_free and even_steps,
-                    STAGES=cfg.stages, STORE_RSTD=store_rstd)
+        out |= dict(LOOPED=cfg.looped, EVEN_STEPS=cfg.mask_free and even_steps, STAGES=cfg.stages,
+                    STORE_RSTD=store_rstd)
     return MappingProxyType(out)
 
 
@@ -592,9 +578,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     cfg = cfg or forward_config(n, x.dtype)
     device = x.device
     grid, rows_per_group = cdiv(m, cfg.rows), 0
-    if cfg.persistent:
-        grid = min(m, cfg.programs_per_sm * sm_count(device))
-    elif cfg.split > 1:
+    if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
     consts = constexprs(cfg, False, weight is not None, rstd is not None, even_steps=n % cfg.block_n == 0)
