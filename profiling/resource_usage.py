@@ -49,11 +49,11 @@ def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge:
                    n: int | None = None) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
     read from the compiled cubin by Triton's bundled ``cuobjdump``; ``n``, if given, picks the
-    specialization the launcher would (a looped ``mask_free`` config without masks when N is a
-    multiple of its step)."""
+    specialization the launcher would (a ``mask_free`` config without masks when its tiles cover
+    x exactly)."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    even = n is not None and n % cfg.block_n == 0
-    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, even_steps=even))
+    exact = n is not None and kernels.exact_tiles(cfg, cfg.rows, n)  # M: a multiple of the rows, as benchmarked
+    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, exact_tiles=exact))
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
     # N and the row strides multiples of 16. Without it the loads are not vectorized.

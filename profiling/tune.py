@@ -7,16 +7,18 @@ clears L2 before every call, or with ``--timing bench`` the benchmark's own meas
 window), which is what the targets are judged on; the two have disagreed (profiling/NOTES.md).
 ``--jobs`` picks (pass, dtype, N); ``--near`` times only the
 table's neighbours, ``--table`` only the table's config (to compare kernel variants),
-``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``);
+``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``),
+``--override FIELD=VALUE,...`` the table's config and it with those fields replaced;
 ``profiling/host_overhead.py`` breaks down the host cost of a call.
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...] [--near | --table | --staged]
-[--timing bench]``;
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...]
+[--near | --table | --staged | --override F=V,...] [--timing bench]``;
 writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import itertools
 import json
@@ -139,7 +141,7 @@ def bench(fn):
 
 def tune(
     pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False,
-    only_staged: bool = False,
+    only_staged: bool = False, override: dict | None = None,
 ) -> list[dict]:
     """Time the table's config and the candidates for one (pass, N, dtype); best first."""
     elem = dtype.itemsize
@@ -157,6 +159,8 @@ def tune(
         cands = []
     elif only_staged:
         cands = staged(table)
+    elif override:
+        cands = [dataclasses.replace(table, **override)]
     elif near:
         cands = neighbours(table, backward, n)
     else:
@@ -220,10 +224,12 @@ def main():
     p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
     p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
     p.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
+    p.add_argument("--override", default="", help="only the table's config and it with these fields (mask_free=True)")
     p.add_argument("--tag", default="tune", help="output file stem")
     p.add_argument("--timing", choices=("do_bench", "bench"), default="do_bench",
                    help="do_bench (L2 cleared before each call) or the benchmark's back-to-back profiler time")
     args = p.parse_args()
+    override = {k: ast.literal_eval(v) for k, v in (f.split("=") for f in args.override.split(",") if f)}
     global TIMING
     TIMING = args.timing
     src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
@@ -241,7 +247,7 @@ def main():
     for job in args.jobs.split(","):
         pass_name, dtype, n = job.split(":")
         results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table,
-                                      args.staged)
+                                      args.staged, override)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
 

@@ -344,8 +344,8 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, stages=0)
-    with pytest.raises(ValueError, match="mask_free is for looped"):
-        KernelConfig(block_n=8192, rows=2, num_warps=16, mask_free=True)
+    with pytest.raises(ValueError, match="mask_free is for single-pass and looped"):
+        KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, mask_free=True)
 
 
 @pytest.mark.parametrize("has_weight", [True, False])
@@ -371,7 +371,32 @@ def test_looped_forward(device, has_weight, stages, mask_free, n):
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
     assert out[:, n:].isnan().all()
-    assert kernels.constexprs(cfg, False, has_weight, even_steps=n % 128 == 0)["EVEN_STEPS"] == (mask_free and n == 256)
+    assert kernels.constexprs(cfg, False, has_weight, exact_tiles=kernels.exact_tiles(cfg, m, n))["UNMASKED"] == (
+        mask_free and n == 256)
+
+
+@pytest.mark.parametrize("has_weight", [True, False])
+@pytest.mark.parametrize("m, n", [(8, 64), (7, 64), (8, 60)])
+def test_single_pass_forward_without_masks(device, has_weight, m, n):
+    """A ``mask_free`` single-pass forward: without masks only where its tiles cover x exactly
+    (M a multiple of its rows, N of its block); ragged rows or columns keep them. Strided rows:
+    the reference's values, nothing written past a row."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import KernelConfig
+
+    x = torch.randn(m, n + 20, device=device)[:, :n]
+    w = torch.randn(n, device=device) if has_weight else None
+    out = torch.full((m, n + 20), float("nan"), device=device)
+    y, rstd = out[:, :n], torch.full((m,), float("nan"), device=device)
+    cfg = KernelConfig(block_n=64, rows=4, num_warps=1, mask_free=True)
+    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
+    assert out[:, n:].isnan().all()
+    exact = kernels.exact_tiles(cfg, m, n)
+    assert exact == (m % 4 == 0 and n == 64)
+    assert kernels.constexprs(cfg, False, has_weight, exact_tiles=exact)["UNMASKED"] == exact
 
 
 @pytest.mark.cuda

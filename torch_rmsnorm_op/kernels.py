@@ -16,8 +16,10 @@ dim contiguous, any row stride). Three ways to cover a row:
   registers across it;
 - looped mode (forward, ``LOOPED``): one row per program in ``BLOCK_N`` steps,
   a first pass for the sum of squares and a second that re-reads x (from L2) to
-  write y, as Inductor's reductions do; without masks (``EVEN_STEPS``) where the
-  table asks for it and N is a multiple of ``BLOCK_N``;
+  write y, as Inductor's reductions do;
+- single-pass and looped forwards run without masks (``UNMASKED``) where the
+  table asks for it (``mask_free``) and the tiles cover x exactly (N a multiple of
+  ``BLOCK_N``; single-pass, also M a multiple of ``ROWS``);
 - split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
   ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
   group's rows together. Each publishes its partial sum for a row in a slot
@@ -165,25 +167,25 @@ def _rms_norm_fwd(
     SPLIT: tl.constexpr,
     PHASE: tl.constexpr,  # split mode: 0 = one launch, programs wait for the slots; 1 = publish only; 2 = read only
     LOOPED: tl.constexpr,  # one row per program in BLOCK_N steps, two passes over x
-    EVEN_STEPS: tl.constexpr,  # looped, N a multiple of BLOCK_N: steps without masks
+    UNMASKED: tl.constexpr,  # single-pass or looped, tiles that cover x exactly: no masks
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
         row = tl.program_id(0).to(tl.int64)
-        other = None if EVEN_STEPS else 0.0
+        other = None if UNMASKED else 0.0
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = None if EVEN_STEPS else cols < N
+            mask = None if UNMASKED else cols < N
             x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
             x = x.to(tl.float32)
             acc += x * x
         rstd = _rstd(tl.sum(acc, axis=0), N, eps)
         for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
             cols = start + tl.arange(0, BLOCK_N)
-            mask = None if EVEN_STEPS else cols < N
+            mask = None if UNMASKED else cols < N
             x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_first")
             y = x.to(tl.float32) * rstd
             if HAS_WEIGHT:
@@ -193,14 +195,17 @@ def _rms_norm_fwd(
             tl.store(RSTD + row, rstd)
     elif SPLIT == 1:
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        row_mask = rows < M
         cols = tl.arange(0, BLOCK_N)
-        mask = row_mask[:, None] & (cols[None, :] < N)
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if UNMASKED:
+            row_mask, col_mask, mask, other = None, None, None, None
+        else:
+            row_mask, col_mask, other = rows < M, cols < N, 0.0
+            mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=other).to(tl.float32)
         rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
         y = x * rstd[:, None]
         if HAS_WEIGHT:
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=col_mask, other=other).to(tl.float32)
             y = y * w[None, :]
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if STORE_RSTD:
@@ -475,15 +480,16 @@ def _on(device: torch.device):
 
 @functools.cache
 def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True,
-               merge: bool = False, even_steps: bool = False) -> Mapping:
+               merge: bool = False, exact_tiles: bool = False) -> Mapping:
     """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
     kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config.
-    ``even_steps``: N is a multiple of ``cfg.block_n`` (used by looped configs that ask for it)."""
+    ``exact_tiles``: the forward's tiles cover x exactly (``kernels.exact_tiles``): no masks for a
+    config that asks for it (``mask_free``)."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
         out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
     else:
-        out |= dict(LOOPED=cfg.looped, EVEN_STEPS=cfg.mask_free and even_steps, STAGES=cfg.stages,
+        out |= dict(LOOPED=cfg.looped, UNMASKED=cfg.mask_free and exact_tiles, STAGES=cfg.stages,
                     STORE_RSTD=store_rstd)
     return MappingProxyType(out)
 
@@ -566,6 +572,12 @@ def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, 
         _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
 
+def exact_tiles(cfg: KernelConfig, m: int, n: int) -> bool:
+    """Whether a single-pass or looped forward's tiles cover [m, n] exactly: N a multiple of the
+    block (looped: of the step), and for single-pass M a multiple of the rows per program."""
+    return n % cfg.block_n == 0 and (cfg.looped or m % cfg.rows == 0)
+
+
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
                    cfg: KernelConfig | None = None) -> None:
     """Write ``y`` and, unless None, ``rstd`` (M values, contiguous) for ``x``: x and y are
@@ -581,7 +593,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
-    consts = constexprs(cfg, False, weight is not None, rstd is not None, even_steps=n % cfg.block_n == 0)
+    consts = constexprs(cfg, False, weight is not None, rstd is not None, exact_tiles=exact_tiles(cfg, m, n))
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):

@@ -5,7 +5,7 @@ in place: each variant is one text replacement of the current code. Variants of 
 gone live in git history: polling the row barrier's counter with volatile loads
 (``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter; the looped
 forward without masks (``unmasked_looped``, ``unmasked_looped2``, session 9) at 7cefc12, since
-then the kernel's ``EVEN_STEPS``.
+then the kernel's ``UNMASKED``.
 """
 
 import pathlib
