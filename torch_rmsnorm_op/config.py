@@ -56,7 +56,7 @@ FWD_LADDER_FP32 = (
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
 )
-# Forward beyond the ladder, split mode: (columns per program, warps, programs per SM, stages).
+# Forward beyond the ladder, split mode: (max N, columns per program, warps, programs per SM, stages).
 # A persistent grid; at row i a program publishes row i + 1's partial, then waits for row i's
 # total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
 # -tune6/e_asm_exchange.json: bf16 N=262144 84.3% (4 programs per SM 83.7%, stages 3 79.7%, 16
@@ -64,8 +64,8 @@ FWD_LADDER_FP32 = (
 # 81.4% (8192 x 4 warps: 68.8% in -tune6/d); at 32768 the looped rung stays (92.4% vs 81.2%, d).
 # fp32 N=65536 8192 x 4: 81.9% (-tune6/b; three rows in registers 77.7%; 4 per SM 82.7%, but
 # then not all resident at once).
-FWD_SPLIT = (16384, 8, 2, 2)
-FWD_SPLIT_FP32 = (8192, 4, 2, 2)
+FWD_SPLIT = ((MAX_N, 16384, 8, 2, 2),)
+FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, 2, 2),)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
@@ -88,7 +88,7 @@ BWD_LADDER_FP32 = (
     (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie)
     (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
 )
-# Backward beyond the ladder, split mode: (columns per program, warps, programs per SM, stages).
+# Backward beyond the ladder, split mode: (max N, columns per program, warps, programs per SM, stages).
 # As the forward's split mode, loads prefetched two rows ahead (stages 3), the weight chunk read
 # once per row. bf16 (-tune6/f_bwd_16_warps.json, bwd alone): 16 warps (108 registers) 76.8% at
 # N=65536 (8 warps 59.4%), but 60.8% at 32768 (stages 4: 72.9%) and 75.3% at 262144 (8 warps
@@ -98,9 +98,11 @@ BWD_LADDER_FP32 = (
 # Stages 4 (three rows ahead) was fast at every shape measured: 72.9% at 32768, 75.3% at
 # 65536, 74.2% at 262144, fp16 65536 76.4% (-tune6/f); fwd+bwd at 32768 72.4% -> 81.4% (-final8).
 # The columns per program also size the dweight scratch (groups x N; under 2% of dx).
-BWD_SPLIT = (8192, 16, 1, 4)
+# Up to N=32768, 8 warps: 78.5-79.3% vs 16 warps 75.8-76.8% (bf16), fp16 79.0-79.3% vs 77.5-77.7%
+# (three rounds and --near, -tune10/d, e); at 65536 8 warps took the slow value (59.4%, -tune6/f).
+BWD_SPLIT = ((32768, 8192, 8, 1, 4), (MAX_N, 8192, 16, 1, 4))
 # fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e).
-BWD_SPLIT_FP32 = (4096, 8, 1, 3)
+BWD_SPLIT_FP32 = ((MAX_N, 4096, 8, 1, 3),)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -173,8 +175,7 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
 
 
-def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps: int,
-            split_stages: int) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_ladder: tuple) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, options in ladder:
         if n <= max_n:
@@ -185,24 +186,25 @@ def _config(n: int, ladder: tuple, split_block: int, split_warps: int, split_pps
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, **options)
+    _, split_block, warps, pps, stages = next(rung for rung in split_ladder if n <= rung[0])
     split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)
-    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, split_warps, split, split_pps, stages=split_stages)
+    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, warps, split, pps, stages=stages)
 
 
 @functools.cache
 def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
     if dtype.itemsize == 4:
-        return _config(n, FWD_LADDER_FP32, *FWD_SPLIT_FP32)
-    return _config(n, FWD_LADDER, *FWD_SPLIT)
+        return _config(n, FWD_LADDER_FP32, FWD_SPLIT_FP32)
+    return _config(n, FWD_LADDER, FWD_SPLIT)
 
 
 @functools.cache
 def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
     if dtype.itemsize == 4:
-        return _config(n, BWD_LADDER_FP32, *BWD_SPLIT_FP32)
-    return _config(n, BWD_LADDER, *BWD_SPLIT)
+        return _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32)
+    return _config(n, BWD_LADDER, BWD_SPLIT)
 
 
 @functools.cache
