@@ -123,7 +123,8 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
     if not backward and cfg.split == 1 and row <= 1024:  # Inductor's small tiles: 1024-2048 elements, 1-2 warps
         out += [KernelConfig(row, r, w) for r in (1024 // row, 2048 // row) for w in (1, 2) if r >= 1]
     if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
-        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2, reload=False, mask_free=False))
+        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2, reload=False,
+                                       mask_free=False))
         if cfg.split > 1:
             out.append(dataclasses.replace(cfg, block_n=cfg.block_n * 2, split=cfg.split // 2))
     return out

@@ -17,9 +17,6 @@ dim contiguous, any row stride). Three ways to cover a row:
 - looped mode (forward, ``LOOPED``): one row per program in ``BLOCK_N`` steps,
   a first pass for the sum of squares and a second that re-reads x (from L2) to
   write y, as Inductor's reductions do;
-- single-pass and looped forwards run without masks (``UNMASKED``) where the
-  table asks for it (``mask_free``) and the tiles cover x exactly (N a multiple of
-  ``BLOCK_N``; single-pass, also M a multiple of ``ROWS``);
 - split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
   ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
   group's rows together. Each publishes its partial sum for a row in a slot
@@ -29,6 +26,10 @@ dim contiguous, any row stride). Three ways to cover a row:
   loads run ahead (``STAGES``), so a row's slots are mostly full when read.
   Under the Triton interpreter, which runs programs one after another, the same
   kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
+
+Single-pass and looped forwards run without masks (``UNMASKED``) where the table
+asks for it (``mask_free``) and the tiles cover x exactly (``exact_tiles``: N a
+multiple of ``BLOCK_N``; single-pass, also M a multiple of ``ROWS``).
 
 dweight is reduced deterministically: each backward program (single-pass) or
 row group (split) has one fp32 partial row; where that scratch is large
