@@ -276,15 +276,17 @@ def test_backward_does_not_zero_fill_a_gradient_for_rstd(device):
 @pytest.mark.parametrize("k, e", [(0, 1), (1, 1), (1, 2), (2, 2), (4, 3)])
 @pytest.mark.parametrize("with_weight", [True, False])
 @pytest.mark.parametrize("stages", [1, 3])
-def test_split_mode_row_groups(device, k, e, with_weight, stages):
+@pytest.mark.parametrize("interleave", [False, True])
+def test_split_mode_row_groups(device, k, e, with_weight, stages, interleave):
     """Split mode's row pipeline, forward and backward, at its edges, M = k * G + e rows for a
-    grid of G row groups: one row; groups of one, two and more rows; a last group shorter than
-    the others (it walks phantom rows); loads in the loop (``stages`` 1) and prefetched two rows
-    ahead into shared memory (3)."""
+    grid of G row groups: one row; groups of one, two and more rows; groups that walk phantom
+    rows past M (the last one, or with ``interleave`` the groups whose last row would be past
+    M); loads in the loop (``stages`` 1) and prefetched two rows ahead into shared memory (3)."""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, sm_count
 
-    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages)
+    cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages,
+                       interleave=interleave)
     m, n = k * (cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split) + e, 3000
     x, dy = torch.randn(m, n, device=device), torch.randn(m, n, device=device)
     w = torch.randn(n, device=device) if with_weight else None
@@ -344,6 +346,8 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, reload=True)
     with pytest.raises(ValueError, match="stages must be >= 1"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, stages=0)
+    with pytest.raises(ValueError, match="interleave is for split mode"):
+        KernelConfig(block_n=8192, rows=1, num_warps=16, interleave=True)
     with pytest.raises(ValueError, match="mask_free is for single-pass and looped"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, mask_free=True)
 

@@ -56,16 +56,20 @@ FWD_LADDER_FP32 = (
     (16384, 16384, 8, {}),
     (32768, 32768, 16, {}),
 )
-# Forward beyond the ladder, split mode: (max N, columns per program, warps, programs per SM, stages).
-# A persistent grid; at row i a program publishes row i + 1's partial, then waits for row i's
-# total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
+# Forward beyond the ladder, split mode: (max N, columns per program, warps, options).
+# A persistent grid; at row i a program publishes its group's next row's partial, then waits for
+# row i's total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
+# Groups walk interleaved rows (interleave: group g rows g, g + groups, ...), so that at any time
+# they work on neighbouring rows, as a grid of one row per program does: against blocks of
+# consecutive rows per group (-tune10/f), bf16 N=65536 87.8% (83.3%), 262144 89.2% (87.4%), fp32
+# 65536 89.2% (85.2%).
 # -tune6/e_asm_exchange.json: bf16 N=262144 84.3% (4 programs per SM 83.7%, stages 3 79.7%, 16
 # warps 66.4%; three rows in registers and no prefetch, as in -final6: 75.5% in -tune6/b), N=65536
 # 81.4% (8192 x 4 warps: 68.8% in -tune6/d); at 32768 the looped rung stays (92.4% vs 81.2%, d).
 # fp32 N=65536 8192 x 4: 81.9% (-tune6/b; three rows in registers 77.7%; 4 per SM 82.7%, but
 # then not all resident at once).
-FWD_SPLIT = ((MAX_N, 16384, 8, 2, 2),)
-FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, 2, 2),)
+FWD_SPLIT = ((MAX_N, 16384, 8, dict(programs_per_sm=2, stages=2, interleave=True)),)
+FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=True)),)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
 # either way, by N and dtype).
@@ -88,7 +92,7 @@ BWD_LADDER_FP32 = (
     (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie)
     (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
 )
-# Backward beyond the ladder, split mode: (max N, columns per program, warps, programs per SM, stages).
+# Backward beyond the ladder, split mode: (max N, columns per program, warps, options).
 # As the forward's split mode, loads prefetched two rows ahead (stages 3), the weight chunk read
 # once per row. bf16 (-tune6/f_bwd_16_warps.json, bwd alone): 16 warps (108 registers) 76.8% at
 # N=65536 (8 warps 59.4%), but 60.8% at 32768 (stages 4: 72.9%) and 75.3% at 262144 (8 warps
@@ -100,9 +104,14 @@ BWD_LADDER_FP32 = (
 # The columns per program also size the dweight scratch (groups x N; under 2% of dx).
 # Up to N=32768, 8 warps: 78.5-79.3% vs 16 warps 75.8-76.8% (bf16), fp16 79.0-79.3% vs 77.5-77.7%
 # (three rounds and --near, -tune10/d, e); at 65536 8 warps took the slow value (59.4%, -tune6/f).
-BWD_SPLIT = ((32768, 8192, 8, 1, 4), (MAX_N, 8192, 16, 1, 4))
+# Interleaved rows, as in the forward (-tune10/f): bf16 N=32768 84.0% (79.0%), 65536 81.2% (77.5%),
+# 262144 77.8% (77.6%), fp32 65536 85.0% (85.3%, a tie).
+BWD_SPLIT = (
+    (32768, 8192, 8, dict(stages=4, interleave=True)),
+    (MAX_N, 8192, 16, dict(stages=4, interleave=True)),
+)
 # fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e).
-BWD_SPLIT_FP32 = ((MAX_N, 4096, 8, 1, 3),)
+BWD_SPLIT_FP32 = ((MAX_N, 4096, 8, dict(stages=3, interleave=True)),)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -149,6 +158,8 @@ class KernelConfig:
     ``mask_free`` (single-pass or looped forward) drops the masks where the tiles cover x exactly
     (``kernels.exact_tiles``);
     ``reload`` (single-pass backward) reads x and dy again after the row sum;
+    ``interleave`` (split mode) gives row group g rows g, g + groups, ... instead of a block of
+    consecutive rows;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory."""
 
@@ -162,11 +173,14 @@ class KernelConfig:
     reload: bool = False
     stages: int = 1
     mask_free: bool = False
+    interleave: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
         if self.looped and (self.rows != 1 or self.split != 1):
             raise ValueError(f"KernelConfig: looped needs rows == 1 and split == 1, got {self}")
+        if self.interleave and self.split == 1:
+            raise ValueError(f"KernelConfig: interleave is for split mode (split > 1), got {self}")
         if self.mask_free and self.split != 1:
             raise ValueError(f"KernelConfig: mask_free is for single-pass and looped configs, got {self}")
         if self.stages < 1:
@@ -186,9 +200,9 @@ def _config(n: int, ladder: tuple, split_ladder: tuple) -> KernelConfig:
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
             return KernelConfig(block, rows, warps, 1, **options)
-    _, split_block, warps, pps, stages = next(rung for rung in split_ladder if n <= rung[0])
+    _, split_block, warps, options = next(rung for rung in split_ladder if n <= rung[0])
     split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)
-    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, warps, split, pps, stages=stages)
+    return KernelConfig(next_power_of_2(cdiv(n, split)), 1, warps, split, **options)
 
 
 @functools.cache

@@ -19,11 +19,13 @@ dim contiguous, any row stride). Three ways to cover a row:
   write y, as Inductor's reductions do;
 - split mode (``SPLIT > 1``, long rows): a row group's rows are spread over
   ``SPLIT`` consecutive programs of one ``BLOCK_N`` chunk each, which walk the
-  group's rows together. Each publishes its partial sum for a row in a slot
-  (flag and value in one 64-bit word) and reads the row's slots until all are
-  set, adding them in one fixed order (``_exchange``, one inline PTX statement
-  on the GPU); a program publishes row i + 1 before it waits for row i, and its
-  loads run ahead (``STAGES``), so a row's slots are mostly full when read.
+  group's rows together (with ``INTERLEAVE``, group g has rows g, g + groups,
+  ..., so that the groups work on neighbouring rows at any time). Each publishes
+  its partial sum for a row in a slot (flag and value in one 64-bit word) and
+  reads the row's slots until all are set, adding them in one fixed order
+  (``_exchange``, one inline PTX statement on the GPU); a program publishes its
+  group's next row before it waits for the current one, and its loads run ahead
+  (``STAGES``), so a row's slots are mostly full when read.
   Under the Triton interpreter, which runs programs one after another, the same
   kernel runs in two launches (``PHASE`` 1 publishes, 2 reads) instead.
 
@@ -117,8 +119,8 @@ def _publish(value, SLOTS, chunk, PHASE: tl.constexpr):
 
 
 @triton.jit
-def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.constexpr):
-    """Split mode: publish ``value``, this program's partial of row ``row + 1``, if ``publish``;
+def _exchange(value, publish, SLOTS, row, next_row, chunk, SPLIT: tl.constexpr, PHASE: tl.constexpr):
+    """Split mode: publish ``value``, this program's partial of row ``next_row``, if ``publish``;
     then read row ``row``'s SPLIT slots until every flag is set and return the sum of their
     values in slot order (one fixed order). The launcher zeroes the slots and numbers a row's
     programs consecutively, so every one gets to publish. Under the interpreter (``PHASE`` 1,
@@ -128,12 +130,12 @@ def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.
     if PHASE == 0:
         words = tl.inline_asm_elementwise(
             _EXCHANGE_ASM, "=l,l,l,r,l",
-            [SLOTS + row * SPLIT + slots, SLOTS + (row + 1) * SPLIT + slots,
+            [SLOTS + row * SPLIT + slots, SLOTS + next_row * SPLIT + slots,
              ((slots == chunk) & publish).to(tl.int32), _slot_word(value) + tl.zeros([SPLIT], tl.int64)],
             dtype=tl.int64, is_pure=False, pack=1)
     else:
         if publish:
-            _publish(value, SLOTS + (row + 1) * SPLIT, chunk, PHASE)
+            _publish(value, SLOTS + next_row * SPLIT, chunk, PHASE)
         words = tl.load(SLOTS + row * SPLIT + slots)
     if PHASE != 1:
         total = tl.sum((words & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True), axis=0)
@@ -141,10 +143,22 @@ def _exchange(value, publish, SLOTS, row, chunk, SPLIT: tl.constexpr, PHASE: tl.
 
 
 @triton.jit
-def _load_chunk(P, stride, row_start, i, offs, width, M, rows_per_group):
+def _group_rows(group, rows_per_group, SPLIT: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Split mode: ``(first row, step)`` of a row group's rows: ``rows_per_group`` consecutive
+    rows, or with INTERLEAVE every ``groups``-th row from row ``group``, so that the groups work
+    on neighbouring rows at any one time. Rows past M are phantoms either way; the slots have
+    ``M + rows_per_group`` rows, past the last one either form reaches."""
+    if INTERLEAVE:
+        return group, tl.num_programs(0) // SPLIT
+    return group * rows_per_group, 1
+
+
+@triton.jit
+def _load_chunk(P, stride, row_start, i, step, offs, width, M, rows_per_group):
     """Split mode: this program's chunk (``P`` moved to it, ``width`` columns left in the row)
-    of row ``row_start + i`` of its group, as stored: zeros past M or past the group's rows."""
-    row = row_start + i
+    of its group's row i, row ``row_start + i * step``, as stored: zeros past M or past the
+    group's rows."""
+    row = row_start + i * step
     return tl.load(P + row * stride + offs, mask=offs < tl.where((row < M) & (i < rows_per_group), width, 0),
                    other=0.0)
 
@@ -171,6 +185,7 @@ def _rms_norm_fwd(
     UNMASKED: tl.constexpr,  # single-pass or looped, tiles that cover x exactly: no masks
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
+    INTERLEAVE: tl.constexpr,  # split mode: group g walks rows g, g + groups, ... (_group_rows)
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
@@ -212,24 +227,25 @@ def _rms_norm_fwd(
         if STORE_RSTD:
             tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
-        # Split mode, as in the backward: SPLIT programs per row group walk the group's rows.
-        # At row i a program publishes its partial of row i + 1, then waits for row i's total
-        # (_exchange), so the exchange overlaps a row's work; Triton's pipeliner loads rows
-        # STAGES - 1 ahead into shared memory. Rows past M are phantoms with slots of their own.
+        # Split mode, as in the backward: SPLIT programs per row group walk the group's rows
+        # (_group_rows). At row i a program publishes its partial of the group's next row, then
+        # waits for row i's total (_exchange), so the exchange overlaps a row's work; Triton's
+        # pipeliner loads rows STAGES - 1 ahead into shared memory. Rows past M are phantoms
+        # with slots of their own.
         pid = tl.program_id(0).to(tl.int64)
         chunk = pid % SPLIT
-        row_start = pid // SPLIT * rows_per_group
+        row_start, step = _group_rows(pid // SPLIT, rows_per_group, SPLIT, INTERLEAVE)
         start = chunk * BLOCK_N
         X, Y, W = X + start, Y + start, W + start  # 32-bit offsets within the chunk
         offs = tl.arange(0, BLOCK_N)
         width = N - start
-        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
+        x0 = _load_chunk(X, stride_x, row_start, 0, step, offs, width, M, rows_per_group)
         _publish(_sum_sq(x0), SLOTS + row_start * SPLIT, chunk, PHASE)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
-            row = row_start + i
-            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
-            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
-            sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
+            row = row_start + i * step
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
+            # past the group's last row the slots are another group's: not published
+            sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, row + step, chunk, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = _rstd(sum_sq, N, eps)
                 y = x0.to(tl.float32) * rstd
@@ -322,6 +338,7 @@ def _rms_norm_bwd(
     RELOAD: tl.constexpr,  # single-pass: read x and dy again after the row sum (from L1/L2)
     STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
     MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
+    INTERLEAVE: tl.constexpr,  # split mode: group g walks rows g, g + groups, ... (_group_rows)
 ):
     # Program (group, chunk) walks the group's rows; chunk is 0 in single-pass mode.
     pid = tl.program_id(0).to(tl.int64)
@@ -369,31 +386,33 @@ def _rms_norm_bwd(
         if HAS_WEIGHT:
             _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
     else:
-        # Every group walks rows_per_group rows; the last group's rows past M are phantoms
+        # Every group walks rows_per_group rows (_group_rows); its rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
-        # rows), so all SPLIT programs of a group still meet at each one. At row i a program
-        # publishes its partial of row i + 1, then waits for row i's total (_exchange); Triton's
+        # rows), so all SPLIT programs of a group still meet at each one. At its row i a program
+        # publishes its partial of the group's next row, then waits for row i's total (_exchange); Triton's
         # pipeliner loads rows STAGES - 1 ahead into shared memory. x and dy stay in their own
         # dtype until used, and w is re-read from cache, to leave registers for them.
         # Offsets within the chunk are 32-bit, from pointers moved to the chunk: 64-bit ones took
         # more registers (Triton 3.6, session 5's form with three rows in registers: 220 vs 210;
         # the fp32 forward's spilled, 112 B).
+        row_start, step = _group_rows(group, rows_per_group, SPLIT, INTERLEAVE)
         start = chunk * BLOCK_N
         X, DY, DX, W = X + start, DY + start, DX + start, W + start
         offs = tl.arange(0, BLOCK_N)
         width = N - start  # of this chunk, may exceed BLOCK_N
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        x0 = _load_chunk(X, stride_x, row_start, 0, offs, width, M, rows_per_group)
-        dy0 = _load_chunk(DY, stride_dy, row_start, 0, offs, width, M, rows_per_group)
+        x0 = _load_chunk(X, stride_x, row_start, 0, step, offs, width, M, rows_per_group)
+        dy0 = _load_chunk(DY, stride_dy, row_start, 0, step, offs, width, M, rows_per_group)
         _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
                  chunk, PHASE)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
-            row = row_start + i
-            x1 = _load_chunk(X, stride_x, row_start, i + 1, offs, width, M, rows_per_group)
-            dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, offs, width, M, rows_per_group)
-            # row + 1 is the next group's first row when i + 1 == rows_per_group: not published
+            row = row_start + i * step
+            x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
+            dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, step, offs, width, M, rows_per_group)
+            # past the group's last row the slots are another group's: not published
             w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
-            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, chunk, SPLIT, PHASE)
+            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, row + step, chunk,
+                            SPLIT, PHASE)
             if PHASE != 1:
                 x = x0.to(tl.float32)
                 dy = dy0.to(tl.float32)
@@ -488,10 +507,11 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: 
     config that asks for it (``mask_free``)."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
-        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge)
+        out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge,
+                    INTERLEAVE=cfg.interleave)
     else:
         out |= dict(LOOPED=cfg.looped, UNMASKED=cfg.mask_free and exact_tiles, STAGES=cfg.stages,
-                    STORE_RSTD=store_rstd)
+                    STORE_RSTD=store_rstd, INTERLEAVE=cfg.interleave)
     return MappingProxyType(out)
 
 
