@@ -244,7 +244,7 @@ def _rms_norm_fwd(
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i * step
             x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
-            # past the group's last row the slots are another group's: not published
+            # published within the group's rows only (past them: another group's row or no slot)
             sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, row + step, chunk, SPLIT, PHASE)
             if PHASE != 1:
                 rstd = _rstd(sum_sq, N, eps)
@@ -409,7 +409,7 @@ def _rms_norm_bwd(
             row = row_start + i * step
             x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
             dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, step, offs, width, M, rows_per_group)
-            # past the group's last row the slots are another group's: not published
+            # published within the group's rows only (past them: another group's row or no slot)
             w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
             dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, row + step, chunk,
                             SPLIT, PHASE)
