@@ -388,10 +388,11 @@ def _rms_norm_bwd(
     else:
         # Every group walks rows_per_group rows (_group_rows); its rows past M are phantoms
         # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
-        # rows), so all SPLIT programs of a group still meet at each one. At its row i a program
-        # publishes its partial of the group's next row, then waits for row i's total (_exchange); Triton's
-        # pipeliner loads rows STAGES - 1 ahead into shared memory. x and dy stay in their own
-        # dtype until used, and w is re-read from cache, to leave registers for them.
+        # rows), so all SPLIT programs of a group still meet at each one. At its row i a
+        # program publishes its partial of the group's next row, then waits for row i's total
+        # (_exchange); Triton's pipeliner loads rows STAGES - 1 ahead into shared memory. x and
+        # dy stay in their own dtype until used, and w is re-read from cache, to leave registers
+        # for them.
         # Offsets within the chunk are 32-bit, from pointers moved to the chunk: 64-bit ones took
         # more registers (Triton 3.6, session 5's form with three rows in registers: 220 vs 210;
         # the fp32 forward's spilled, 112 B).
