@@ -283,13 +283,12 @@ DISPATCHING = {
     "dispatch mode": lambda x, w: _PassThroughMode(),
     "function mode": lambda x, w: _PassThroughFunctionMode(),
     "autocast": lambda x, w: torch.autocast(x.device.type, dtype=torch.bfloat16),
-    "profiler": lambda x, w: torch.profiler.profile(),
 }
 
 
 @pytest.mark.parametrize("case", list(DISPATCHING))
 def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, monkeypatch, case):
-    """Eager, without a gradient, mode, autocast or profiler, ``rms_norm`` calls the op's
+    """Eager, without a gradient, mode or autocast, ``rms_norm`` calls the op's
     implementation without the dispatcher (the same code, bit for bit); in each of those
     contexts it goes through ``torch.ops.rmsnorm.fwd``."""
     x, w = torch.randn(6, 40, device=device), torch.randn(40, device=device)
@@ -305,6 +304,22 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
     assert calls[2:] == [True], case
     if y.dtype == want.dtype:
         torch.testing.assert_close(y.detach(), want, atol=0, rtol=0)
+
+
+def test_profiler_sees_the_direct_call_as_the_op(device, monkeypatch):
+    """A profiler does not change the path (it times what runs without it): the call stays
+    direct, and the trace still names it ``rmsnorm::fwd``, its kernel inside."""
+    x, w = torch.randn(6, 40, device=device), torch.randn(40, device=device)
+    want = torch.ops.rmsnorm.fwd(x, w, 1e-6)[0]
+    calls = _dispatched(monkeypatch)
+    with torch.profiler.profile() as prof:
+        y = T.rms_norm(x, (40,), w, 1e-6)
+    assert calls == [False]
+    torch.testing.assert_close(y, want, atol=0, rtol=0)
+    names = [e.name for e in prof.events()]
+    assert "rmsnorm::fwd" in names, names
+    if device.type == "cuda":
+        assert any("_rms_norm_fwd" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def test_subclass_meta_negative_and_vmapped_inputs_are_dispatched(device, monkeypatch):

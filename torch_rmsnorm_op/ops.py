@@ -186,10 +186,11 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
     ``rms_norm_fwd``: eager (not compiled, not recorded by ``torch.jit.trace``), no gradient to
     record, no autocast, no torch function or dispatch mode, no vmap (its batched tensors are
     plain tensors to Python; ``rms_norm`` has sent forward-mode AD and torch.func's other
-    transforms to the reference already), no profiler (it names the op in traces), plain strided
-    CPU or CUDA tensors (no subclass, nested tensor, negative bit).
-    ``rms_norm`` then calls the op's implementation directly: the dispatcher's Python kernels
-    (autograd, then the op) cost more host time than the launch (profiling/NOTES.md, session 7)."""
+    transforms to the reference already), plain strided CPU or CUDA tensors (no subclass, nested
+    tensor, negative bit). ``rms_norm`` then calls the op's implementation directly: the
+    dispatcher's Python kernels (autograd, then the op) cost more host time than the launch
+    (profiling/NOTES.md, session 7). A profiler does not change the path (what it times is what
+    runs without it); ``rms_norm`` names the call ``rmsnorm::fwd`` in its trace instead."""
     if weight is not None and (
         type(weight) not in _PLAIN_WEIGHT_TYPES or weight.layout != torch.strided or weight.is_neg()
     ):
@@ -205,7 +206,6 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
         and torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == 0
         and peek_interpreter_stack() is None
-        and not torch._C._autograd._profiler_enabled()
         and not torch.jit.is_tracing()
     )
 
@@ -217,8 +217,9 @@ def rms_norm(
     (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes and gradients.
     ``normalized_shape`` may span several trailing dims; complex inputs take the reference path.
     In eager mode, when the dispatcher has nothing to add (no gradient, mode, autocast,
-    subclass, profiler), the op's implementation is called without it, and since nothing will
-    read rstd, the kernels do not write it: the same y, bit for bit."""
+    subclass), the op's implementation is called without it, and since nothing will read rstd,
+    the kernels do not write it: the same y, bit for bit. Under ``torch.profiler`` that call is
+    recorded as ``rmsnorm::fwd``, as the op would be."""
     shape = check_functional_args(input, normalized_shape, weight)
     if eps is None:
         eps = reference.default_eps(input.dtype)
@@ -238,5 +239,11 @@ def rms_norm(
         n = math.prod(shape)
         x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
         w = None if weight is None else weight.reshape(n)
-    y = _forward(x, w, float(eps), want_rstd=False)[0] if direct else torch.ops.rmsnorm.fwd(x, w, float(eps))[0]
+    if not direct:
+        y = torch.ops.rmsnorm.fwd(x, w, float(eps))[0]
+    elif torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function("rmsnorm::fwd"):
+            y = _forward(x, w, float(eps), want_rstd=False)[0]
+    else:
+        y = _forward(x, w, float(eps), want_rstd=False)[0]
     return y if len(shape) == 1 else y.view(input.shape)
