@@ -6,7 +6,7 @@
 #       (profiling/ncu_kernels.py over JOBS, pass:dtype:N,...): ncu.txt, ncu.csv
 #   bash profiling/gpu_run.sh tune OUTDIR JOBS [VARIANT VARIANT_JOBS]...
 #       profiling/tune.py --near (or $TUNE_FLAGS) over JOBS (pass:dtype:N,...), then for each VARIANT
-#       (profiling/variants/apply.py) the same over its jobs; then, if $TESTS is set, those
+#       (profiling/variants/apply.py) tune.py ${VARIANT_FLAGS:---near} over its jobs; then, if $TESTS is set, those
 #       pytest arguments (time limit $TEST_TIMEOUT seconds, default 240).
 set -u -o pipefail
 what=$1; out=$2; shift 2
@@ -40,7 +40,7 @@ if [ "$what" = tune ]; then
   shift
   while [ $# -ge 2 ]; do
     python3 profiling/variants/apply.py "$1" | tee -a "$log"
-    timeout 120 python3 profiling/tune.py --near --out "$out" --jobs "$2" --tag "$1" 2>&1 | tee -a "$log"
+    timeout 120 python3 profiling/tune.py ${VARIANT_FLAGS:---near} --out "$out" --jobs "$2" --tag "$1" 2>&1 | tee -a "$log"
     python3 profiling/variants/apply.py "$1" --revert
     shift 2
   done

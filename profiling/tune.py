@@ -9,9 +9,11 @@ window), which is what the targets are judged on; the two have disagreed (profil
 table's neighbours, ``--table`` only the table's config (to compare kernel variants),
 ``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``),
 ``--override FIELD=VALUE,...`` the table's config and it with those fields replaced;
+``--split-only`` keeps split-mode candidates alone (at N >= 65536 the looped and single-pass
+forms lost by 5 points and more in every session that timed them);
 ``profiling/host_overhead.py`` breaks down the host cost of a call.
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...]
-[--near | --table | --staged | --override F=V,...] [--timing bench]``;
+[--near | --table | --staged | --override F=V,...] [--split-only] [--timing bench]``;
 writes ``DIR/<tag>.json``.
 """
 
@@ -142,7 +144,7 @@ def bench(fn):
 
 def tune(
     pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False,
-    only_staged: bool = False, override: dict | None = None,
+    only_staged: bool = False, override: dict | None = None, split_only: bool = False,
 ) -> list[dict]:
     """Time the table's config and the candidates for one (pass, N, dtype); best first."""
     elem = dtype.itemsize
@@ -166,6 +168,8 @@ def tune(
         cands = neighbours(table, backward, n)
     else:
         cands = bwd_candidates(n) if backward else fwd_candidates(n)
+    if split_only:
+        cands = [c for c in cands if c.split > 1]
     kernels.launch_forward(x, w, 1e-6, y, rstd)
     rows = []
     for cfg in dict.fromkeys([table] + cands):  # each config once, the table's first
@@ -226,6 +230,7 @@ def main():
     p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
     p.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
     p.add_argument("--override", default="", help="only the table's config and it with these fields (mask_free=True)")
+    p.add_argument("--split-only", action="store_true", help="only split-mode candidates")
     p.add_argument("--tag", default="tune", help="output file stem")
     p.add_argument("--timing", choices=("do_bench", "bench"), default="do_bench",
                    help="do_bench (L2 cleared before each call) or the benchmark's back-to-back profiler time")
@@ -248,7 +253,7 @@ def main():
     for job in args.jobs.split(","):
         pass_name, dtype, n = job.split(":")
         results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table,
-                                      args.staged, override)
+                                      args.staged, override, args.split_only)
         torch.cuda.empty_cache()
         save(results, args)  # after every job: a run cut short keeps what it measured
 

@@ -1,8 +1,8 @@
 """Kernel variants for comparison runs on a throwaway GPU copy of the repo (profiling/NOTES.md).
 
 ``python profiling/variants/apply.py NAME [--revert]`` rewrites ``torch_rmsnorm_op/kernels.py``
-in place: each variant is one text replacement of the current code. Variants of code that is
-gone live in git history: polling the row barrier's counter with volatile loads
+(or the file a variant names) in place: each variant is one text replacement of the current
+code. Variants of code that is gone live in git history: polling the row barrier's counter with volatile loads
 (``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter; the looped
 forward without masks (``unmasked_looped``, ``unmasked_looped2``, session 9) at 7cefc12, since
 then the kernel's ``UNMASKED``.
@@ -11,7 +11,7 @@ then the kernel's ``UNMASKED``.
 import pathlib
 import sys
 
-KERNELS = pathlib.Path(__file__).resolve().parents[2] / "torch_rmsnorm_op" / "kernels.py"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "torch_rmsnorm_op"
 
 VARIANTS = {
     # Streaming hint on the single-pass forward's x load (x is read once; Inductor's kernels
@@ -48,13 +48,29 @@ bra LAB_WAIT;
 LAB_DONE:
 mov.b64 $0, w;""",
     ),
+    # 32-bit row offsets in the single-pass forward (Inductor's kernels index in int32 where the
+    # tensor allows; ours are 64-bit so that any M * stride works). Valid only below 2**31 elements.
+    "int32_rows_fwd": (
+        """        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_N)""",
+        """        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, BLOCK_N)""",
+    ),
+    # The same in the looped forward.
+    "int32_row_looped": (
+        """        row = tl.program_id(0).to(tl.int64)
+        other = None if UNMASKED else 0.0""",
+        """        row = tl.program_id(0)
+        other = None if UNMASKED else 0.0""",
+    ),
 }
 
 name, revert = sys.argv[1], "--revert" in sys.argv
-current, variant = VARIANTS[name]
+current, variant, *where = VARIANTS[name]
+path = PACKAGE / (where[0] if where else "kernels.py")
 old, new = (variant, current) if revert else (current, variant)
-text = KERNELS.read_text()
+text = path.read_text()
 if text.count(old) != 1:
-    sys.exit(f"{KERNELS}: the text to replace for {name!r} is not there exactly once")
-KERNELS.write_text(text.replace(old, new))
-print(f"kernels.py: {name}", "reverted" if revert else "applied")
+    sys.exit(f"{path}: the text to replace for {name!r} is not there exactly once")
+path.write_text(text.replace(old, new))
+print(f"{path.name}: {name}", "reverted" if revert else "applied")
