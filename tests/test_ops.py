@@ -306,32 +306,6 @@ def test_split_mode_row_groups(device, k, e, with_weight, stages, interleave):
         torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("interleave", [False, True])
-def test_interleaved_row_groups_fill_the_grid(device, interleave):
-    """M = 2 * G + 1 rows for a target of G row groups: blocks of consecutive rows (3 each) need
-    fewer groups than G; interleaved groups take all G, their phantom rows spread one per group
-    (slots for G * 3 rows). Both compute the reference's values."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig, row_groups, sm_count
-
-    cfg = KernelConfig(block_n=64, rows=1, num_warps=1, split=2, programs_per_sm=3, interleave=interleave)
-    target = cfg.programs_per_sm * sm_count(torch.device(device)) // cfg.split
-    m, n = 2 * target + 1, 100
-    groups, per_group = row_groups(m, n, torch.device(device), cfg)
-    assert per_group == 3
-    assert groups == target if interleave else groups < target
-    x, dy, w = (torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device))
-    y, rstd = torch.empty_like(x), torch.empty(m, device=device)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), w.double(), 1e-6)
-    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    kernels.launch_backward(dy, x, w, rstd, dx, dw, None, cfg)
-    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd_ref)
-    torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
-
-
 def test_single_pass_backward_forms_agree(device):
     """Both row-loop forms of the single-pass backward (``KernelConfig.counted_loop``), each
     with and without the second read of x and dy (``reload``), with a ragged last group and a

@@ -259,14 +259,8 @@ def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
 def row_groups(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:
     """``(row groups, rows per group)`` of a grid of ``groups * cfg.split`` programs that walk
     their group's rows: the backward's, and the forward's in split mode. Every group gets >= 1
-    row, so every dweight partial row is written. Interleaved groups (``cfg.interleave``: group g
-    takes rows g, g + groups, ...) fill the grid: their phantom rows past M are spread one per
-    group; blocks of consecutive rows keep them in the last group, so a block count that leaves
-    a group without rows is cut (2048 rows on a target of 66 groups: 64 groups of 32)."""
+    row, so every dweight partial row is written."""
     target = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
-    if cfg.interleave:
-        groups = min(target, m)
-        return groups, cdiv(m, groups)
     rows_per_group = cdiv(m, target)
     # Whole tiles per group, so only the last group has a ragged tile.
     rows_per_group = cdiv(rows_per_group, cfg.rows) * cfg.rows

@@ -147,7 +147,7 @@ def _group_rows(group, rows_per_group, SPLIT: tl.constexpr, INTERLEAVE: tl.const
     """Split mode: ``(first row, step)`` of a row group's rows: ``rows_per_group`` consecutive
     rows, or with INTERLEAVE every ``groups``-th row from row ``group``, so that the groups work
     on neighbouring rows at any one time. Rows past M are phantoms either way; the slots have
-    ``groups * rows_per_group`` rows, one for each row either form reaches."""
+    ``M + rows_per_group`` rows, past the last one either form reaches."""
     if INTERLEAVE:
         return group, tl.num_programs(0) // SPLIT
     return group * rows_per_group, 1
@@ -169,7 +169,7 @@ def _rms_norm_fwd(
     W,  # weight [N] (ignored unless HAS_WEIGHT)
     Y,  # output [M, N], row stride stride_y
     RSTD,  # output [M] fp32 (written if STORE_RSTD)
-    SLOTS,  # split mode: [groups * rows_per_group, SPLIT] int64 zeros, the rows' published partial sums
+    SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partial sums
     stride_x,
     stride_y,
     M,
@@ -322,7 +322,7 @@ def _rms_norm_bwd(
     DX,  # output [M, N], row stride stride_dx
     DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials
     DW_FLAGS,  # if MERGE: [cdiv(row groups, 2) * SPLIT] int32 zeros, _merge_partial's flags
-    SLOTS,  # split mode: [groups * rows_per_group, SPLIT] int64 zeros, the rows' published partials
+    SLOTS,  # split mode: [M + rows_per_group, SPLIT] int64 zeros, the rows' published partials
     stride_dy,
     stride_x,
     stride_dx,
@@ -387,7 +387,7 @@ def _rms_norm_bwd(
             _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
     else:
         # Every group walks rows_per_group rows (_group_rows); its rows past M are phantoms
-        # (nothing loaded or stored) with slots of their own (SLOTS has groups x rows_per_group
+        # (nothing loaded or stored) with slots of their own (SLOTS has M + rows_per_group
         # rows), so all SPLIT programs of a group still meet at each one. At its row i a
         # program publishes its partial of the group's next row, then waits for row i's total
         # (_exchange); Triton's pipeliner loads rows STAGES - 1 ahead into shared memory. x and
@@ -581,16 +581,15 @@ def _empty_hook(hook) -> bool:
     return hook is None or (type(hook) is triton.knobs.HookChain and not hook.calls)
 
 
-def _launch(kernel, grid: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            consts: Mapping, slot_rows: int = 0) -> None:
+def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
+            consts: Mapping, pad_rows: int = 0) -> None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
     row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
     if cfg.split == 1:
         _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
         return
-    # Zeros: no flag set. One row of slots per row the groups walk (groups x rows per group),
-    # the phantom rows past M included.
-    slots = torch.zeros((slot_rows, cfg.split), dtype=torch.int64, device=device)
+    # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
+    slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
     for phase in (1, 2) if is_interpreted() else (0,):
         _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
@@ -612,7 +611,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
         return
     cfg = cfg or forward_config(n, x.dtype)
     device = x.device
-    grid, groups, rows_per_group = cdiv(m, cfg.rows), 0, 0
+    grid, rows_per_group = cdiv(m, cfg.rows), 0
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
@@ -620,8 +619,8 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):
-        _launch(_rms_norm_fwd, grid, device, cfg, before,
-                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, groups * rows_per_group)
+        _launch(_rms_norm_fwd, grid, m, device, cfg, before,
+                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -685,10 +684,10 @@ def launch_backward(
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=x.device)
     with _on(x.device):
         _launch(
-            _rms_norm_bwd, groups * cfg.split, x.device, cfg,
+            _rms_norm_bwd, groups * cfg.split, m, x.device, cfg,
             [dy, x, weight if has_weight else x, rstd, dx, partial, flags],
             [row_stride(dy), row_stride(x), row_stride(dx), m, n, rows_per_group],
-            constexprs(cfg, True, has_weight, merge=merge), groups * rows_per_group,
+            constexprs(cfg, True, has_weight, merge=merge), pad_rows=rows_per_group,
         )
     if has_weight:
         reduce_dweight(partial, dweight, mid)

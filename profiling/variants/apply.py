@@ -63,16 +63,6 @@ mov.b64 $0, w;""",
         """        row = tl.program_id(0)
         other = None if UNMASKED else 0.0""",
     ),
-    # Split mode's interleaved row groups cut to the count blocks of rows need, as before
-    # session 11 (config.row_groups): 2048 rows on a target of 66 groups, 64 groups.
-    "block_row_groups": (
-        """    if cfg.interleave:
-        groups = min(target, m)
-        return groups, cdiv(m, groups)
-    rows_per_group = cdiv(m, target)""",
-        """    rows_per_group = cdiv(m, target)""",
-        "config.py",
-    ),
 }
 
 name, revert = sys.argv[1], "--revert" in sys.argv
