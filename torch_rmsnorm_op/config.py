@@ -107,11 +107,12 @@ BWD_LADDER_FP32 = (
 # Interleaved rows, as in the forward (-tune10/f): bf16 N=32768 84.0% (79.0%), 65536 81.2% (77.5%),
 # 262144 77.8% (77.6%), fp32 65536 85.0% (85.3%, a tie). With them 8 warps are ahead at every N
 # (--near, -tune11/b): 65536 83.2% (16 warps 81.7%; stages 3 83.6%), 262144 81.8% (77.1%), 32768
-# 84.1% (16 warps 82.8%).
+# 84.1% (16 warps 82.8%); again in -tune11/c: 65536 83.0% (81.9%), 262144 81.9% (79.1%).
 BWD_SPLIT = ((MAX_N, 8192, 8, dict(stages=4, interleave=True)),)
 # fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e);
 # interleaved, twice the columns per program (half the programs per row, 32 KiB each as bf16 16384
-# would be, which spills): 92.0% (4096 columns 85.5%; -tune11/b).
+# would be, which spills): 92.0% (4096 columns 85.5%; -tune11/b), 93.1% (85.2%) and at N=262144
+# 95.0% (75.5%; -tune11/c).
 BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.

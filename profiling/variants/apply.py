@@ -1,11 +1,13 @@
 """Kernel variants for comparison runs on a throwaway GPU copy of the repo (profiling/NOTES.md).
 
 ``python profiling/variants/apply.py NAME [--revert]`` rewrites ``torch_rmsnorm_op/kernels.py``
-(or the file a variant names) in place: each variant is one text replacement of the current
-code. Variants of code that is gone live in git history: polling the row barrier's counter with volatile loads
-(``volatile_poll``, session 2) at 9ab62dd, before flag words replaced the counter; the looped
-forward without masks (``unmasked_looped``, ``unmasked_looped2``, session 9) at 7cefc12, since
-then the kernel's ``UNMASKED``.
+(or the package file a variant names third) in place: each variant is one text replacement of
+the current code. Variants of code that is gone live in git history: polling the row
+barrier's counter with volatile loads (``volatile_poll``, session 2) at 9ab62dd, before flag
+words replaced the counter; the looped forward without masks (``unmasked_looped``,
+``unmasked_looped2``, session 9) at 7cefc12, since then the kernel's ``UNMASKED``; split
+groups cut to whole blocks of rows (``block_row_groups``, config.py, session 11) at 499a133,
+reverted with the code it undid.
 """
 
 import pathlib
