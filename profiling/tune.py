@@ -81,15 +81,10 @@ def staged(cfg: KernelConfig) -> list[KernelConfig]:
 
 
 def _split_forwards(row: int) -> list[KernelConfig]:
-    """Split-mode forwards for a row of ``row`` (a power of two) columns, from N = 32768 on:
-    persistent row groups, and one program per chunk of a row (``ticketed``)."""
-    if row < 32768:
-        return []
+    """Split-mode forwards for a row of ``row`` (a power of two) columns, from N = 32768 on."""
     shapes = ((8192, 4), (8192, 8), (16384, 8))
-    ticketed = ((2048, 2), (4096, 2), (4096, 4), (8192, 4), (8192, 8), (16384, 8))
     return [KernelConfig(b, 1, w, split=row // b, programs_per_sm=2, stages=2) for b, w in shapes
-            if row // b >= 2] + [KernelConfig(b, 1, w, split=row // b, ticketed=True) for b, w in ticketed
-                                 if 2 <= row // b <= 128]
+            if row >= 32768 and row // b >= 2]
 
 
 def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
@@ -103,7 +98,7 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
                 if cfg.num_warps * 32 * 4 <= b <= row]
         out += [KernelConfig(row, 1, w) for w in (8, 16, 32) if row <= 32768]
         return out + _split_forwards(row)
-    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else [] if cfg.ticketed else ["programs_per_sm"])
+    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else ["programs_per_sm"])
     if backward and cfg.split == 1:
         fields.append("programs_per_sm")
     out = [
@@ -116,13 +111,13 @@ def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
         out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
         out += [dataclasses.replace(cfg, reload=not cfg.reload, num_warps=w)
                 for w in (cfg.num_warps, cfg.num_warps * 2) if w <= 32]
-    if (cfg.split > 1 and not cfg.ticketed) or backward:
+    if cfg.split > 1 or backward:
         out += staged(cfg)
     if cfg.split > 1 and cfg.block_n * cfg.split <= 32768:  # the whole row in one program (at 65536: 5-23%)
         out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm, reload=r)
                 for w in (16, 32) for r in ((False, True) if backward else (False,))]
     row = cfg.block_n * cfg.split
-    if not backward:
+    if not backward and cfg.split == 1:
         out += _split_forwards(row)
     if not backward and row >= 4096:  # one row per program, two passes over x (Inductor's loop)
         out += [KernelConfig(b, 1, w, looped=True) for b in (1024, 2048, 4096, 8192, row) for w in (8, 16, 32)

@@ -147,7 +147,7 @@ def test_op_matches_launcher_bitwise(device):
     assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
 
 
-@pytest.mark.parametrize("mode", ["single-pass", "looped", "split", "ticketed"])
+@pytest.mark.parametrize("mode", ["single-pass", "looped", "split"])
 def test_forward_without_rstd_writes_the_same_y(device, mode):
     """``launch_forward`` with ``rstd=None`` (``rms_norm`` without a gradient to record) writes
     the same y, bit for bit, in each of the forward's three modes."""
@@ -156,8 +156,7 @@ def test_forward_without_rstd_writes_the_same_y(device, mode):
 
     cfg = {"single-pass": KernelConfig(block_n=256, rows=2, num_warps=2),
            "looped": KernelConfig(block_n=64, rows=1, num_warps=1, looped=True),
-           "split": KernelConfig(block_n=64, rows=1, num_warps=1, split=4, programs_per_sm=4),
-           "ticketed": KernelConfig(block_n=64, rows=1, num_warps=1, split=4, ticketed=True)}[mode]
+           "split": KernelConfig(block_n=64, rows=1, num_warps=1, split=4, programs_per_sm=4)}[mode]
     x, w = torch.randn(9, 250, device=device), torch.randn(250, device=device)
     y, rstd = torch.full_like(x, float("nan")), torch.full((9,), float("nan"), device=device)
     kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
@@ -307,54 +306,6 @@ def test_split_mode_row_groups(device, k, e, with_weight, stages, interleave):
         torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("with_weight", [True, False])
-@pytest.mark.parametrize("m, n", [(1, 3000), (7, 3000), (5, 4096), (3, 1025)])
-def test_ticketed_split_forward(device, with_weight, m, n):
-    """The split-mode forward with one program per chunk of a row (``ticketed``), with a ragged
-    last chunk (3000 = 2 x 1024 + 952; 1025: a last chunk of one column) or none: the reference's
-    y and rstd, and the same bits as the persistent split form of the same chunks (partials added
-    in the same order)."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
-    split = -(-n // 1024)
-    split = 1 << (split - 1).bit_length()
-    x = torch.randn(m, n, device=device)
-    w = torch.randn(n, device=device) if with_weight else None
-    outs = []
-    for ticketed in (True, False):
-        cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=split, ticketed=ticketed,
-                           programs_per_sm=1 if ticketed else 2)
-        y, rstd = torch.full_like(x, float("nan")), torch.full((m,), float("nan"), device=device)
-        kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-        outs.append((y, rstd))
-    y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
-    torch.testing.assert_close(outs[0][0].double(), y_ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(outs[0][1].double(), rstd_ref, atol=1e-5, rtol=1e-4)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
-@pytest.mark.cuda
-def test_ticketed_forward_runs_many_more_programs_than_fit():
-    """Tens of thousands of ticketed programs, far more than the GPU holds at once, each waiting
-    for the rest of its row: no deadlock, the reference's values, the same bits every run."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
-    m, n = 8192, 65536
-    x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(n, device="cuda", dtype=torch.bfloat16) + 0.5
-    cfg = KernelConfig(block_n=2048, rows=1, num_warps=2, split=32, ticketed=True)
-    y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-    first = y.clone()
-    for _ in range(5):
-        kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-        assert torch.equal(y.view(torch.int16), first.view(torch.int16))
-    y_ref, _ = reference.rms_norm_forward(x[::97].double(), w.double(), 1e-6)
-    torch.testing.assert_close(y[::97].double(), y_ref, atol=2**-6, rtol=2**-7)
-
-
 def test_single_pass_backward_forms_agree(device):
     """Both row-loop forms of the single-pass backward (``KernelConfig.counted_loop``), each
     with and without the second read of x and dy (``reload``), with a ragged last group and a
@@ -399,21 +350,6 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
         KernelConfig(block_n=8192, rows=1, num_warps=16, interleave=True)
     with pytest.raises(ValueError, match="mask_free is for single-pass and looped"):
         KernelConfig(block_n=8192, rows=1, num_warps=16, split=4, mask_free=True)
-    for kwargs in (dict(split=1), dict(split=4, interleave=True), dict(split=4, stages=2)):
-        with pytest.raises(ValueError, match="ticketed is split mode"):
-            KernelConfig(block_n=8192, rows=1, num_warps=8, ticketed=True, **kwargs)
-
-
-def test_backward_refuses_the_ticketed_form(device):
-    """The backward's dweight partials need persistent row groups: a ticketed config is an error
-    (named), not run as something else."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
-    x = torch.randn(2, 64, device=device)
-    cfg = KernelConfig(block_n=32, rows=1, num_warps=1, split=2, ticketed=True)
-    with pytest.raises(ValueError, match="ticketed is a forward form"):
-        kernels.launch_backward(x, x, None, torch.ones(2, device=device), torch.empty_like(x), None, cfg=cfg)
 
 
 @pytest.mark.parametrize("has_weight", [True, False])

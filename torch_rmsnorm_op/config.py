@@ -163,9 +163,7 @@ class KernelConfig:
     ``interleave`` (split mode) gives row group g rows g, g + groups, ... instead of a block of
     consecutive rows;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
-    ``stages - 1`` iterations ahead into shared memory;
-    ``ticketed`` (split-mode forward) launches one program per chunk of a row instead of a
-    persistent grid of row groups (``kernels._rms_norm_fwd``)."""
+    ``stages - 1`` iterations ahead into shared memory."""
 
     block_n: int
     rows: int
@@ -178,7 +176,6 @@ class KernelConfig:
     stages: int = 1
     mask_free: bool = False
     interleave: bool = False
-    ticketed: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -192,9 +189,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
-        if self.ticketed and (self.split == 1 or self.interleave or self.stages != 1):
-            raise ValueError(f"KernelConfig: ticketed is split mode (split > 1) with one row per program: "
-                             f"no interleave, stages 1, got {self}")
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple) -> KernelConfig:

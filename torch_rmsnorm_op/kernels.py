@@ -186,7 +186,6 @@ def _rms_norm_fwd(
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
     INTERLEAVE: tl.constexpr,  # split mode: group g walks rows g, g + groups, ... (_group_rows)
-    TICKETED: tl.constexpr,  # split mode: one (row, chunk) per program, in ticket order
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
@@ -227,28 +226,6 @@ def _rms_norm_fwd(
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(RSTD + rows, rstd, mask=row_mask)
-    elif TICKETED:
-        # Split mode without a persistent grid: M * SPLIT programs, one chunk of one row each.
-        # A program takes its (row, chunk) from a counter after the slots (an atomic ticket), not
-        # from its program id: tickets go out in order to programs already running, so every row
-        # but the newest has all its programs running, and none waits for a program that may
-        # never start while others hold the GPU (only SPLIT need be resident at once).
-        ticket = tl.atomic_add(SLOTS + M * SPLIT, 1, sem="relaxed")
-        row, chunk = ticket // SPLIT, ticket % SPLIT
-        start = chunk * BLOCK_N
-        offs = tl.arange(0, BLOCK_N)
-        mask = offs < N - start
-        x = tl.load(X + row * stride_x + start + offs, mask=mask, other=0.0)
-        w = _weight_chunk(W + start, offs, N - start, HAS_WEIGHT)  # before the wait, to overlap it
-        sum_sq = _exchange(_sum_sq(x), True, SLOTS, row, row, chunk, SPLIT, PHASE)
-        if PHASE != 1:
-            rstd = _rstd(sum_sq, N, eps)
-            y = x.to(tl.float32) * rstd
-            if HAS_WEIGHT:
-                y = y * w
-            tl.store(Y + row * stride_y + start + offs, y.to(Y.dtype.element_ty), mask=mask)
-            if STORE_RSTD:
-                tl.store(RSTD + row, rstd, mask=chunk == 0)
     else:
         # Split mode, as in the backward: SPLIT programs per row group walk the group's rows
         # (_group_rows). At row i a program publishes its partial of the group's next row, then
@@ -535,7 +512,7 @@ def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: 
                     INTERLEAVE=cfg.interleave)
     else:
         out |= dict(LOOPED=cfg.looped, UNMASKED=cfg.mask_free and exact_tiles, STAGES=cfg.stages,
-                    STORE_RSTD=store_rstd, INTERLEAVE=cfg.interleave, TICKETED=cfg.ticketed)
+                    STORE_RSTD=store_rstd, INTERLEAVE=cfg.interleave)
     return MappingProxyType(out)
 
 
@@ -607,16 +584,13 @@ def _empty_hook(hook) -> bool:
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
             consts: Mapping, pad_rows: int = 0) -> None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
-    row's slots in one launch, or run two phases when interpreted (programs run one by one).
-    ``pad_rows``: slot rows past M (the phantom rows', or the ticketed forward's counter)."""
+    row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
     if cfg.split == 1:
         _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
         return
-    # Zeros: no flag set, no ticket taken.
+    # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
     slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
     for phase in (1, 2) if is_interpreted() else (0,):
-        if cfg.ticketed and phase == 2:
-            slots[m].zero_()  # the second phase hands out the tickets from 0 again
         _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
 
 
@@ -637,18 +611,16 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
         return
     cfg = cfg or forward_config(n, x.dtype)
     device = x.device
-    grid, rows_per_group, pad_rows = cdiv(m, cfg.rows), 0, 0
-    if cfg.ticketed:  # one (row, chunk) per program; the ticket counter in a slot row after M
-        grid, pad_rows = m * cfg.split, 1
-    elif cfg.split > 1:
+    grid, rows_per_group = cdiv(m, cfg.rows), 0
+    if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
-        grid, pad_rows = groups * cfg.split, rows_per_group
+        grid = groups * cfg.split
     consts = constexprs(cfg, False, weight is not None, rstd is not None, exact_tiles=exact_tiles(cfg, m, n))
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):
         _launch(_rms_norm_fwd, grid, m, device, cfg, before,
-                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=pad_rows)
+                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
@@ -698,8 +670,6 @@ def launch_backward(
     n = x.shape[-1]
     m = x.numel() // n
     cfg = cfg or backward_config(n, x.dtype)
-    if cfg.ticketed:
-        raise ValueError(f"launch_backward: ticketed is a forward form (dweight needs row groups), got {cfg}")
     groups, rows_per_group = row_groups(m, n, x.device, cfg)
     has_weight = weight is not None
     partial = flags = dx  # placeholders, unused without a weight
