@@ -53,7 +53,9 @@ def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge:
     x exactly)."""
     fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
     exact = n is not None and kernels.exact_tiles(cfg, cfg.rows, n)  # M: a multiple of the rows, as benchmarked
-    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, exact_tiles=exact))
+    steps = 0 if backward or n is None else kernels.loop_steps(cfg, cfg.rows, n)
+    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, exact_tiles=exact,
+                                     steps=steps))
     sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
     # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
     # N and the row strides multiples of 16. Without it the loads are not vectorized.

@@ -359,8 +359,8 @@ def test_kernel_config_refuses_shapes_the_kernels_cannot_run():
 def test_looped_forward(device, has_weight, stages, mask_free, n):
     """The looped forward (``KernelConfig.looped``: one row per program, x read twice in
     ``block_n`` steps), a ragged last step (N = 300: 128, 128, 44; ``mask_free`` must keep its
-    masks there) or whole steps (256, where ``mask_free`` drops them), strided rows: the
-    reference's values, and nothing written past the row."""
+    masks there) or whole steps (256, where ``mask_free`` drops them and the loops have a
+    constant length), strided rows: the reference's values, and nothing written past the row."""
     from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig
 
@@ -377,6 +377,7 @@ def test_looped_forward(device, has_weight, stages, mask_free, n):
     assert out[:, n:].isnan().all()
     assert kernels.constexprs(cfg, False, has_weight, exact_tiles=kernels.exact_tiles(cfg, m, n))["UNMASKED"] == (
         mask_free and n == 256)
+    assert kernels.loop_steps(cfg, m, n) == (2 if mask_free and n == 256 else 0)  # loops of known length
 
 
 @pytest.mark.parametrize("has_weight", [True, False])

@@ -186,20 +186,24 @@ def _rms_norm_fwd(
     STAGES: tl.constexpr,  # loops' num_stages: > 1 has Triton prefetch their loads into shared memory
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference): y only
     INTERLEAVE: tl.constexpr,  # split mode: group g walks rows g, g + groups, ... (_group_rows)
+    STEPS: tl.constexpr,  # looped, UNMASKED: N // BLOCK_N, a loop of known length (unrolled); else 0
 ):
     if LOOPED:
         # The first pass keeps x in L2 (evict_last) for the second, which streams it out.
         row = tl.program_id(0).to(tl.int64)
         other = None if UNMASKED else 0.0
+        end = N
+        if STEPS > 0:
+            end = STEPS * BLOCK_N
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+        for start in tl.range(0, end, BLOCK_N, num_stages=STAGES, loop_unroll_factor=STEPS if STEPS > 0 else None):
             cols = start + tl.arange(0, BLOCK_N)
             mask = None if UNMASKED else cols < N
             x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_last")
             x = x.to(tl.float32)
             acc += x * x
         rstd = _rstd(tl.sum(acc, axis=0), N, eps)
-        for start in tl.range(0, N, BLOCK_N, num_stages=STAGES):
+        for start in tl.range(0, end, BLOCK_N, num_stages=STAGES, loop_unroll_factor=STEPS if STEPS > 0 else None):
             cols = start + tl.arange(0, BLOCK_N)
             mask = None if UNMASKED else cols < N
             x = tl.load(X + row * stride_x + cols, mask=mask, other=other, eviction_policy="evict_first")
@@ -501,18 +505,18 @@ def _on(device: torch.device):
 
 @functools.cache
 def constexprs(cfg: KernelConfig, backward: bool, has_weight: bool, store_rstd: bool = True,
-               merge: bool = False, exact_tiles: bool = False) -> Mapping:
+               merge: bool = False, exact_tiles: bool = False, steps: int = 0) -> Mapping:
     """The ``tl.constexpr`` arguments of the forward or backward kernel for ``cfg``, in the
     kernel's parameter order (``PHASE`` 0: one launch); read-only, built once per config.
     ``exact_tiles``: the forward's tiles cover x exactly (``kernels.exact_tiles``): no masks for a
-    config that asks for it (``mask_free``)."""
+    config that asks for it (``mask_free``); ``steps``: the looped forward's ``loop_steps``."""
     out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, SPLIT=cfg.split, PHASE=0)
     if backward:
         out |= dict(COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages, MERGE=merge,
                     INTERLEAVE=cfg.interleave)
     else:
         out |= dict(LOOPED=cfg.looped, UNMASKED=cfg.mask_free and exact_tiles, STAGES=cfg.stages,
-                    STORE_RSTD=store_rstd, INTERLEAVE=cfg.interleave)
+                    STORE_RSTD=store_rstd, INTERLEAVE=cfg.interleave, STEPS=steps)
     return MappingProxyType(out)
 
 
@@ -600,6 +604,14 @@ def exact_tiles(cfg: KernelConfig, m: int, n: int) -> bool:
     return n % cfg.block_n == 0 and (cfg.looped or m % cfg.rows == 0)
 
 
+def loop_steps(cfg: KernelConfig, m: int, n: int) -> int:
+    """A looped forward's steps per row when it runs without masks (``mask_free``, tiles that
+    cover x exactly), else 0. Passed as a constexpr (``STEPS``), it makes the two passes loops
+    of known length, which Triton unrolls, so a pass's loads are issued together, as in
+    Inductor's kernels, whose row length is a constant; one compile per step count."""
+    return n // cfg.block_n if cfg.looped and cfg.mask_free and exact_tiles(cfg, m, n) else 0
+
+
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
                    cfg: KernelConfig | None = None) -> None:
     """Write ``y`` and, unless None, ``rstd`` (M values, contiguous) for ``x``: x and y are
@@ -615,7 +627,8 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
         grid = groups * cfg.split
-    consts = constexprs(cfg, False, weight is not None, rstd is not None, exact_tiles=exact_tiles(cfg, m, n))
+    consts = constexprs(cfg, False, weight is not None, rstd is not None, exact_tiles=exact_tiles(cfg, m, n),
+                        steps=loop_steps(cfg, m, n))
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
     with _on(device):

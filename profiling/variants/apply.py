@@ -50,6 +50,35 @@ bra LAB_WAIT;
 LAB_DONE:
 mov.b64 $0, w;""",
     ),
+    # Diagnostics, wrong results by design (session 12): what split mode's exchange costs. The
+    # exchange without its wait: each slot read once, set or not (the same stores and loads, no
+    # polling, no waiting for the slowest program of a row).
+    "no_wait": (
+        """LAB_WAIT:
+ld.relaxed.gpu.global.b64 w, [$1];
+setp.lt.u64 p, w, 4294967296;
+@p bra LAB_WAIT;
+mov.b64 $0, w;""",
+        """ld.relaxed.gpu.global.b64 w, [$1];
+mov.b64 $0, w;""",
+    ),
+    # No exchange at all: every slot "reads" this program's own word (no memory access), so a
+    # program never waits for another and the row sums are SPLIT times its own partial.
+    "no_exchange": (
+        """setp.ne.b32 p, $3, 0;
+@p st.relaxed.gpu.global.b64 [$2], $4;
+LAB_WAIT:
+ld.relaxed.gpu.global.b64 w, [$1];
+setp.lt.u64 p, w, 4294967296;
+@p bra LAB_WAIT;
+mov.b64 $0, w;""",
+        """mov.b64 $0, $4;""",
+    ),
+    # The looped forward's loops with a run-time bound (N), as before session 12's ``loop_steps``.
+    "loop_steps_off": (
+        """                        steps=loop_steps(cfg, m, n))""",
+        """                        steps=0)""",
+    ),
     # 32-bit row offsets in the single-pass forward (Inductor's kernels index in int32 where the
     # tensor allows; ours are 64-bit so that any M * stride works). Valid only below 2**31 elements.
     "int32_rows_fwd": (
