@@ -31,7 +31,8 @@ dim contiguous, any row stride). Three ways to cover a row:
 
 Single-pass and looped forwards run without masks (``UNMASKED``) where the table
 asks for it (``mask_free``) and the tiles cover x exactly (``exact_tiles``: N a
-multiple of ``BLOCK_N``; single-pass, also M a multiple of ``ROWS``).
+multiple of ``BLOCK_N``; single-pass, also M a multiple of ``ROWS``); the looped
+one's loops then have a known length (``STEPS``, ``loop_steps``).
 
 dweight is reduced deterministically: each backward program (single-pass) or
 row group (split) has one fp32 partial row; where that scratch is large
