@@ -69,22 +69,29 @@ def test_launch_key_is_at_least_as_fine_as_tritons():
 
 
 class _CountingCache(dict):
-    """``kernels._COMPILED`` that counts its hits: the launches made without the JIT."""
+    """``kernels._COMPILED`` that counts its hits (launches through a compiled kernel's launcher)
+    and its stores (launches through the JIT)."""
 
     hits = 0
+    stores = 0
 
     def get(self, key, default=None):
         value = super().get(key, default)
         self.hits += value is not None
         return value
 
+    def __setitem__(self, key, value):
+        self.stores += 1
+        super().__setitem__(key, value)
+
 
 @pytest.mark.cuda
 def test_compiled_launches_match_the_jit(monkeypatch):
     """The second launch of a specialization goes through the compiled kernel's own launcher
-    (``kernels._run``): the same bits as the JIT's first, for aligned rows then misaligned ones
-    (the JIT compiles those apart), M = 1 (Triton turns an int 1 into a constant) and odd N,
-    forward and backward."""
+    (``kernels._run``), and a forward's third through its launch plan (``kernels._FORWARD_PLANS``,
+    aligned tensors only): the same bits as the JIT's first, for aligned rows then misaligned
+    ones (the JIT compiles those apart; they share a plan key with the aligned ones), M = 1
+    (Triton turns an int 1 into a constant) and odd N, forward and backward."""
     from torch_rmsnorm_op import kernels
 
     base = torch.randn(70 * 64 + 8, device="cuda", dtype=torch.bfloat16)
@@ -92,22 +99,47 @@ def test_compiled_launches_match_the_jit(monkeypatch):
              base[3:3 + 7 * 17].view(7, 17), base[:64].view(1, 64)]
     w = {n: torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (64, 17)}
     monkeypatch.setattr(kernels, "_COMPILED", _CountingCache())
-    results = []
-    for x in views * 2:  # first pass through the JIT (but the repeated view), second launched directly
-        y, rstd = torch.ops.rmsnorm.fwd(x, w[x.shape[1]], 1e-6)
-        dy = torch.randn_like(y)
-        results.append((x, y, rstd, dy, *torch.ops.rmsnorm.bwd(dy, x, w[x.shape[1]], rstd)))
-    assert kernels._COMPILED.hits >= 15  # the second pass: forward, backward, dweight reduction
-    for x, y, _, dy, dx, dw in results:
+    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
+    results, hits, jit = [], [], []
+    for _ in range(3):  # first through the JIT (but the repeated view), then compiled, then planned
+        for x in views:
+            y, rstd = torch.ops.rmsnorm.fwd(x, w[x.shape[1]], 1e-6)
+            dy = torch.randn_like(y)
+            results.append((x, y, rstd, dy, *torch.ops.rmsnorm.bwd(dy, x, w[x.shape[1]], rstd)))
+            results[-1] += (T.rms_norm(x, (x.shape[1],), w[x.shape[1]], 1e-6),)  # y alone: no rstd stored
+        hits.append(kernels._COMPILED.hits)
+        jit.append(kernels._COMPILED.stores)
+    assert jit[0] == jit[1] == jit[2]  # no JIT launch after the first pass
+    assert hits[1] >= 15  # the second pass: forward, backward, dweight reduction
+    assert hits[2] - hits[1] < hits[1] - hits[0]  # the third: aligned forwards from their plans
+    assert {key[4:6] for key in kernels._FORWARD_PLANS} == {(70, 64), (1, 64)}  # aligned shapes only
+    for x, y, _, dy, dx, dw, y_alone in results:
         want_y, want_rstd = reference.rms_norm_forward(x.double(), w[x.shape[1]].double(), 1e-6)
         torch.testing.assert_close(y.double(), want_y, atol=2**-6, rtol=2**-6)
+        assert torch.equal(y_alone, y)
         want_dx, want_dw = reference.rms_norm_backward(dy.double(), x.double(), w[x.shape[1]].double(), want_rstd)
         torch.testing.assert_close(dx.double(), want_dx, atol=2**-5, rtol=2**-5)
         torch.testing.assert_close(dw.double(), want_dw, atol=2**-3, rtol=2**-5)
-    for first, second in zip(results[:5], results[5:]):
-        recomputed = torch.ops.rmsnorm.bwd(first[3], first[0], w[first[0].shape[1]], first[2])
-        assert torch.equal(first[1], second[1]) and torch.equal(first[4], recomputed[0])
-        assert torch.equal(first[5], recomputed[1])
+    for first, later in zip(results[:5] * 2, results[5:]):
+        recomputed = torch.ops.rmsnorm.bwd(later[3], first[0], w[first[0].shape[1]], first[2])
+        assert torch.equal(first[1], later[1]) and torch.equal(first[2], later[2])
+        assert torch.equal(later[4], recomputed[0]) and torch.equal(later[5], recomputed[1])
+
+
+@pytest.mark.cuda
+def test_forward_plans_are_bounded(monkeypatch):
+    """Shapes that keep changing (M) do not grow the forward's launch plans without bound."""
+    from torch_rmsnorm_op import kernels
+
+    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(kernels, "MAX_FORWARD_PLANS", 4)
+    w = torch.randn(64, device="cuda")
+    for m in range(1, 12):
+        x = torch.randn(m, 64, device="cuda")
+        for _ in range(3):
+            torch.testing.assert_close(T.rms_norm(x, (64,), w), torch.nn.functional.rms_norm(x, (64,), w),
+                                       atol=1e-5, rtol=1e-5)
+        assert 1 <= len(kernels._FORWARD_PLANS) <= 4
 
 
 @pytest.mark.cuda

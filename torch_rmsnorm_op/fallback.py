@@ -102,15 +102,9 @@ def _interpreted() -> bool:
 def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
     """Why the Triton kernels cannot serve this (valid) input, or None if they can."""
     device = x.device
-    if device.type == "cpu":
-        if not _interpreted():
-            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
-    elif device.type != "cuda":
-        return f"no Triton kernel for device type {device.type!r}"
-    if x.dtype not in KERNEL_DTYPES:
-        return f"x dtype {x.dtype} (kernels serve float16, bfloat16, float32)"
-    if weight is not None and weight.dtype not in KERNEL_DTYPES:
-        return f"weight dtype {weight.dtype} (kernels serve float16, bfloat16, float32)"
+    reason = _device_dtype_reason(device, x.dtype, None if weight is None else weight.dtype)
+    if reason is not None:
+        return reason
     n = x.shape[-1]
     if n > MAX_N:
         return f"N = {n} above the kernels' maximum {MAX_N}"
@@ -120,6 +114,21 @@ def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
         return "x's rows cannot be addressed with a single row stride"
     if device.type == "cuda":
         return split_mode_reason(n, x.dtype, device)
+    return None
+
+
+@functools.cache  # fixed per device and dtypes; kernel_unsupported_reason runs on every call
+def _device_dtype_reason(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> str | None:
+    """Why the kernels cannot serve x of ``dtype`` (and a weight of ``weight_dtype``) on ``device``."""
+    if device.type == "cpu":
+        if not _interpreted():
+            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
+    elif device.type != "cuda":
+        return f"no Triton kernel for device type {device.type!r}"
+    if dtype not in KERNEL_DTYPES:
+        return f"x dtype {dtype} (kernels serve float16, bfloat16, float32)"
+    if weight_dtype is not None and weight_dtype not in KERNEL_DTYPES:
+        return f"weight dtype {weight_dtype} (kernels serve float16, bfloat16, float32)"
     return None
 
 

@@ -45,7 +45,9 @@ one stage or, when one would leave fewer programs than SMs, two
 anywhere. The launchers take validated 2-D tensors and write into the outputs
 they are given; ``ops.py`` allocates and validates. A kernel's
 first launch for a specialization goes through Triton's JIT, later ones through
-the compiled kernel's own launcher (``_run``).
+the compiled kernel's own launcher (``_run``); a forward with 16-byte aligned
+tensors, from its third launch on, through a launch plan kept for its shape
+(``_FORWARD_PLANS``), which skips the rest of the launch's host work.
 """
 
 from __future__ import annotations
@@ -542,13 +544,14 @@ _COMPILED: dict[tuple, object] = {}
 _STREAM = None
 
 
-def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4) -> None:
+def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4):
     """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on ``device``,
     the current device: through Triton's JIT the first time a specialization is seen (and
-    always when interpreted), through the compiled kernel's launcher after that."""
+    always when interpreted), through the compiled kernel's launcher after that. Returns the
+    compiled kernel it launched through, or None for a launch through the JIT."""
     if is_interpreted():
         kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
-        return
+        return None
     global _STREAM
     if _STREAM is None:
         _STREAM = triton.runtime.driver.active.get_current_stream
@@ -556,7 +559,7 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
     compiled = _COMPILED.get(key)
     if compiled is None:
         _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
-        return
+        return None
     # The compiled launcher takes every parameter in order, constexprs included.
     grid3 = grid + (1,) * (3 - len(grid))
     stream = _STREAM(device.index)
@@ -567,6 +570,7 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
                      *args, *consts.values())
     else:
         compiled[grid3](*args, *consts.values(), stream=stream)
+    return compiled
 
 
 # Before ``triton.knobs`` (Triton < 3.4) the launch hooks lived elsewhere: there, always Triton's runner.
@@ -587,16 +591,17 @@ def _empty_hook(hook) -> bool:
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            consts: Mapping, pad_rows: int = 0) -> None:
+            consts: Mapping, pad_rows: int = 0):
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
-    row's slots in one launch, or run two phases when interpreted (programs run one by one)."""
+    row's slots in one launch, or run two phases when interpreted (programs run one by one).
+    Returns what ``_run`` does for a single launch without slots (SPLIT 1), else None."""
     if cfg.split == 1:
-        _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
-        return
+        return _run(kernel, device, (grid,), [*before, before[0], *after], consts, cfg.num_warps)
     # Zeros: no flag set. The phantom rows past M (pad_rows) get slots too.
     slots = torch.zeros((m + pad_rows, cfg.split), dtype=torch.int64, device=device)
     for phase in (1, 2) if is_interpreted() else (0,):
         _run(kernel, device, (grid,), [*before, slots, *after], dict(consts, PHASE=phase), cfg.num_warps)
+    return None
 
 
 def exact_tiles(cfg: KernelConfig, m: int, n: int) -> bool:
@@ -613,6 +618,17 @@ def loop_steps(cfg: KernelConfig, m: int, n: int) -> int:
     return n // cfg.block_n if cfg.looped and cfg.mask_free and exact_tiles(cfg, m, n) else 0
 
 
+# Forward launches by all that fixes them except the tensors' addresses and eps: the compiled
+# kernel, its grid and its constexprs. ``launch_forward`` keeps one after a launch through a
+# compiled kernel with every pointer 16-byte aligned (so that is what the kernel is specialized
+# on; the ints are in the key); a later call with the same key and aligned pointers launches it
+# straight away, the addresses passed as ints (the launcher then skips a driver query per
+# pointer). What this saves per eager call: profiling/NOTES.md, session 13. Cleared when full,
+# so that shapes that keep changing (M) cannot grow it without bound.
+_FORWARD_PLANS: dict[tuple, tuple] = {}
+MAX_FORWARD_PLANS = 4096
+
+
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
                    cfg: KernelConfig | None = None) -> None:
     """Write ``y`` and, unless None, ``rstd`` (M values, contiguous) for ``x``: x and y are
@@ -622,8 +638,24 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     m = x.numel() // n
     if m == 0:
         return
-    cfg = cfg or forward_config(n, x.dtype)
     device = x.device
+    w = x if weight is None else weight
+    r = y if rstd is None else rstd
+    plan_key = None
+    if cfg is None and device.type == "cuda":
+        plan_key = (device, x.dtype, None if weight is None else weight.dtype, rstd is None, m, n, row_stride(x),
+                    row_stride(y))
+        plan = _FORWARD_PLANS.get(plan_key)
+        if plan is not None:
+            ptrs = (x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr())
+            # torch.cuda.current_device() without its lazy-init check: a plan means CUDA is up
+            if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 == 0 and device.index == torch._C._cuda_getDevice() \
+                    and _no_launch_hooks():
+                compiled, grid3, consts = plan
+                compiled.run(*grid3, _STREAM(device.index), compiled.function, compiled.packed_metadata, None, None,
+                             None, *ptrs, ptrs[0], plan_key[6], plan_key[7], m, n, eps, 0, *consts)
+                return
+    cfg = cfg or forward_config(n, x.dtype)
     grid, rows_per_group = cdiv(m, cfg.rows), 0
     if cfg.split > 1:
         groups, rows_per_group = row_groups(m, n, device, cfg)
@@ -631,10 +663,14 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     consts = constexprs(cfg, False, weight is not None, rstd is not None, exact_tiles=exact_tiles(cfg, m, n),
                         steps=loop_steps(cfg, m, n))
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
-    before = [x, x if weight is None else weight, y, y if rstd is None else rstd]
+    before = [x, w, y, r]
     with _on(device):
-        _launch(_rms_norm_fwd, grid, m, device, cfg, before,
-                [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
+        compiled = _launch(_rms_norm_fwd, grid, m, device, cfg, before,
+                           [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
+    if plan_key is not None and compiled is not None and all(t.data_ptr() & 15 == 0 for t in before):
+        if len(_FORWARD_PLANS) >= MAX_FORWARD_PLANS:
+            _FORWARD_PLANS.clear()
+        _FORWARD_PLANS[plan_key] = (compiled, (grid, 1, 1), tuple(consts.values()))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,

@@ -206,7 +206,7 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
         and torch._C._len_torch_function_stack() == 0
         and torch._C._len_torch_dispatch_stack() == 0
         and peek_interpreter_stack() is None
-        and not torch.jit.is_tracing()
+        and not torch._C._is_tracing()  # torch.jit.is_tracing() outside TorchScript
     )
 
 
