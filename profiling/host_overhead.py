@@ -1,6 +1,6 @@
 """Where the host time of one forward call goes, on a CUDA machine (profiling/NOTES.md).
 
-At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.call_us``):
+At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.calls_us``, windows in turn):
 ``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; the launcher
 with preallocated outputs; Triton's JIT launch of the forward kernel; the compiled
 kernel's own launcher (``CompiledKernel[grid]``) with the same arguments; and the
@@ -31,7 +31,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import kernels  # noqa: E402
-from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, cuda_graph, gpu_us  # noqa: E402
+from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, calls_us, cuda_graph, gpu_us  # noqa: E402
 from torch_rmsnorm_op.config import forward_config  # noqa: E402
 
 
@@ -73,7 +73,7 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "launch key (kernels._specialization)": lambda: kernels._specialization(args),
         "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
     }
-    return {name: round(call_us(fn, calls=300), 2) for name, fn in calls.items()}
+    return {name: round(us, 2) for name, us in calls_us(calls, calls=300).items()}
 
 
 def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:

@@ -168,20 +168,28 @@ def bench_shape(m, n, dtype, iters, repeats, copy_gbs, device="cuda"):
 def call_us(fn, calls: int = 200, windows: int = 5) -> float:
     """Wall time per call, host side, for back-to-back calls (after warm-up): the median over
     ``windows`` windows of ``calls`` calls (a shared host's noise moves single windows)."""
-    samples = []
+    return calls_us({"fn": fn}, calls, windows)["fn"]
+
+
+def calls_us(fns: dict, calls: int = 200, windows: int = 5) -> dict[str, float]:
+    """``call_us`` of each of ``fns`` (name: function), their windows taken in turn, so that a
+    host whose load drifts during the measurement weighs on each of them alike."""
+    samples = {name: [] for name in fns}
     with torch.no_grad():
-        for _ in range(20):
-            fn()
-        for _ in range(windows):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
+        for fn in fns.values():
+            for _ in range(20):
                 fn()
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            samples.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(samples)
+        for _ in range(windows):
+            for name, fn in fns.items():
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 LATENCY_SHAPES = [(128, 257, torch.float32), (4096, 4096, torch.bfloat16)]
@@ -206,7 +214,9 @@ def latency_rows(m: int, n: int, dtype: torch.dtype, device: str = "cuda") -> li
     ours = lambda: T.rms_norm(x, (n,), w, EPS)  # noqa: E731
     fns = {"ours": ours, "eager": lambda: F.rms_norm(x, (n,), w, EPS), "ours CUDAGraph.replay": cuda_graph(ours).replay}
     base = {"M": m, "N": n, "dtype": str(dtype).removeprefix("torch."), "pass": "call"}
-    rows = [dict(base, impl=name, call_us=round(call_us(fn), 2)) for name, fn in fns.items()]
+    # Windows in turn, and more of them than call_us's default: the eager rows differ by a few µs
+    # on a host whose load moves them by more than that (profiling/NOTES.md, session 13).
+    rows = [dict(base, impl=name, call_us=round(us, 2)) for name, us in calls_us(fns, windows=11).items()]
     for name, fn in (("ours", T.rms_norm), ("Inductor", F.rms_norm)):
         torch._dynamo.reset()
         graphed = torch.compile(lambda x, fn=fn: fn(x, (n,), w, EPS), mode="reduce-overhead", dynamic=False)
