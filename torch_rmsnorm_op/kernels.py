@@ -544,7 +544,8 @@ _COMPILED: dict[tuple, object] = {}
 _STREAM = None
 
 
-def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict, num_warps: int = 4):
+def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict,
+         num_warps: int = 4) -> object | None:
     """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on ``device``,
     the current device: through Triton's JIT the first time a specialization is seen (and
     always when interpreted), through the compiled kernel's launcher after that. Returns the
@@ -591,7 +592,7 @@ def _empty_hook(hook) -> bool:
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            consts: Mapping, pad_rows: int = 0):
+            consts: Mapping, pad_rows: int = 0) -> object | None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
     row's slots in one launch, or run two phases when interpreted (programs run one by one).
     Returns what ``_run`` does for a single launch without slots (SPLIT 1), else None."""
@@ -639,6 +640,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     if m == 0:
         return
     device = x.device
+    eps = float(eps)  # as the plans were compiled: an int eps would be specialized apart
     w = x if weight is None else weight
     r = y if rstd is None else rstd
     plan_key = None
