@@ -565,13 +565,17 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
     grid3 = grid + (1,) * (3 - len(grid))
     stream = _STREAM(device.index)
     if _no_launch_hooks():
-        # What ``compiled[grid3](...)`` runs when no launch hook is registered, without its
-        # closure, its launch metadata and the two empty hook chains it hands the launcher.
-        compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *args, *consts.values())
+        _launch_compiled(compiled, grid3, stream, *args, *consts.values())
     else:
         compiled[grid3](*args, *consts.values(), stream=stream)
     return compiled
+
+
+def _launch_compiled(compiled, grid3: tuple[int, int, int], stream: int, *args) -> None:
+    """What ``compiled[grid3](*args, stream=stream)`` runs when no launch hook is registered,
+    without its closure, its launch metadata and the two empty hook chains it hands the
+    launcher. ``args``: every kernel parameter in order, constexprs included."""
+    compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
 
 
 # Before ``triton.knobs`` (Triton < 3.4) the launch hooks lived elsewhere: there, always Triton's runner.
@@ -643,10 +647,10 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     eps = float(eps)  # as the plans were compiled: an int eps would be specialized apart
     w = x if weight is None else weight
     r = y if rstd is None else rstd
+    stride_x, stride_y = row_stride(x), row_stride(y)
     plan_key = None
     if cfg is None and device.type == "cuda":
-        plan_key = (device, x.dtype, None if weight is None else weight.dtype, rstd is None, m, n, row_stride(x),
-                    row_stride(y))
+        plan_key = (device, x.dtype, None if weight is None else weight.dtype, rstd is None, m, n, stride_x, stride_y)
         plan = _FORWARD_PLANS.get(plan_key)
         if plan is not None:
             ptrs = (x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr())
@@ -654,8 +658,10 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
             if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 == 0 and device.index == torch._C._cuda_getDevice() \
                     and _no_launch_hooks():
                 compiled, grid3, consts = plan
-                compiled.run(*grid3, _STREAM(device.index), compiled.function, compiled.packed_metadata, None, None,
-                             None, *ptrs, ptrs[0], plan_key[6], plan_key[7], m, n, eps, 0, *consts)
+                # The arguments as _launch passes them: SLOTS is x (unused: plans are never split
+                # mode), rows_per_group 0.
+                _launch_compiled(compiled, grid3, _STREAM(device.index), *ptrs, ptrs[0], stride_x, stride_y, m, n,
+                                 eps, 0, *consts)
                 return
     cfg = cfg or forward_config(n, x.dtype)
     grid, rows_per_group = cdiv(m, cfg.rows), 0
@@ -668,7 +674,7 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     before = [x, w, y, r]
     with _on(device):
         compiled = _launch(_rms_norm_fwd, grid, m, device, cfg, before,
-                           [row_stride(x), row_stride(y), m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
+                           [stride_x, stride_y, m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
     if plan_key is not None and compiled is not None and all(t.data_ptr() & 15 == 0 for t in before):
         if len(_FORWARD_PLANS) >= MAX_FORWARD_PLANS:
             _FORWARD_PLANS.clear()
