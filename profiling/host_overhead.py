@@ -3,7 +3,8 @@
 At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.calls_us``, windows in turn):
 ``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; the launcher
 with preallocated outputs; Triton's JIT launch of the forward kernel; the compiled
-kernel's own launcher (``CompiledKernel[grid]``) with the same arguments; and the
+kernel's own launcher (``CompiledKernel[grid]``), ``compiled.run`` and ``kernels._launcher``'s
+call (Triton 3.6: its C launch) with the same arguments; and the
 pieces a launch needs (the launch key ``kernels._run`` computes, the current stream). Under
 ``torch.compile(mode="reduce-overhead")``: ours and Inductor's ``F.rms_norm``, wall
 time and GPU time per call, with and without ``mark_static_address`` on the input,
@@ -30,7 +31,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
-from torch_rmsnorm_op import kernels  # noqa: E402
+from torch_rmsnorm_op import contract, kernels, ops  # noqa: E402
 from torch_rmsnorm_op.benchmark import EPS, LATENCY_SHAPES, call_us, calls_us, cuda_graph, gpu_us  # noqa: E402
 from torch_rmsnorm_op.config import forward_config  # noqa: E402
 
@@ -51,6 +52,11 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     # data_ptr() call and the driver's pointer check (cuPointerGetAttribute) it makes per tensor.
     addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
     bare = (grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None)
+    bare_launcher = kernels._launcher(compiled)  # Triton 3.6: its C launch without CudaLauncher.__call__
+    for _ in range(2):  # the JIT's launch, then the compiled kernel's, which keeps the plan
+        kernels.launch_forward(x, w, EPS, y, rstd, keep_plan=True)
+    plan = kernels.forward_plan(x, w, True)
+    assert plan is not None
     want = F.rms_norm(x.float(), (n,), w.float(), EPS)
     torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2)
     y.zero_()
@@ -61,6 +67,9 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "torch_rmsnorm_op.rms_norm": lambda: T.rms_norm(x, (n,), w, EPS),
         "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
         "kernels.launch_forward": lambda: kernels.launch_forward(x, w, EPS, y, rstd),
+        "kernels.forward_plan + launch_planned": lambda: kernels.launch_planned(
+            kernels.forward_plan(x, w, True), x, w, EPS, y, rstd),
+        "kernels.launch_planned": lambda: kernels.launch_planned(plan, x, w, EPS, y, rstd),
         "JIT launch (kernel[grid](...))": lambda: kernels._rms_norm_fwd[(grid,)](
             *args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS
         ),
@@ -68,10 +77,21 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "compiled launcher, stream looked up": lambda: launcher(*full),
         "compiled.run, no hooks (kernels._run's call)": lambda: compiled.run(*bare, *full),
         "compiled.run, no hooks, int addresses": lambda: compiled.run(*bare, *addresses),
+        "kernels._launcher(compiled).call, int addresses": lambda: bare_launcher.call(
+            grid, 1, 1, stream, *bare_launcher.head, *addresses),
         "five data_ptr() calls": lambda: [x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.data_ptr()],
         "current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
         "launch key (kernels._specialization)": lambda: kernels._specialization(args),
         "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "torch.empty_like(x, memory_format=contiguous)": lambda: torch.empty_like(
+            x, memory_format=torch.contiguous_format),
+        "torch.empty(x.shape, dtype, device)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        "x.new_empty(x.shape)": lambda: x.new_empty(x.shape),
+        "ops._forward, no rstd (rms_norm's call after its checks)": lambda: ops._forward(x, w, EPS, False),
+        "check_functional_args": lambda: contract.check_functional_args(x, (n,), w),
+        "ops._nothing_to_dispatch": lambda: ops._nothing_to_dispatch(x, w),
+        "kernels.forward_plan": lambda: kernels.forward_plan(x, w, False),
     }
     return {name: round(us, 2) for name, us in calls_us(calls, calls=300).items()}
 

@@ -91,7 +91,10 @@ def test_compiled_launches_match_the_jit(monkeypatch):
     (``kernels._run``), and a forward's third through its launch plan (``kernels._FORWARD_PLANS``,
     aligned tensors only): the same bits as the JIT's first, for aligned rows then misaligned
     ones (the JIT compiles those apart; they share a plan key with the aligned ones), M = 1
-    (Triton turns an int 1 into a constant) and odd N, forward and backward."""
+    (Triton turns an int 1 into a constant) and odd N, forward and backward. On Triton 3.6 the
+    launches after the JIT's skip the launcher's Python ``__call__`` (``kernels._launcher``)."""
+    import triton
+
     from torch_rmsnorm_op import kernels
 
     base = torch.randn(70 * 64 + 8, device="cuda", dtype=torch.bfloat16)
@@ -113,6 +116,8 @@ def test_compiled_launches_match_the_jit(monkeypatch):
     assert hits[1] >= 15  # the second pass: forward, backward, dweight reduction
     assert hits[2] - hits[1] < hits[1] - hits[0]  # the third: aligned forwards from their plans
     assert {key[4:6] for key in kernels._FORWARD_PLANS} == {(70, 64), (1, 64)}  # aligned shapes only
+    if triton.__version__.startswith("3.6."):  # the launcher kernels._launcher calls into directly
+        assert all(launcher.call is launcher.compiled.run.launch for launcher in kernels._COMPILED.values())
     for x, y, _, dy, dx, dw, y_alone in results:
         want_y, want_rstd = reference.rms_norm_forward(x.double(), w[x.shape[1]].double(), 1e-6)
         torch.testing.assert_close(y.double(), want_y, atol=2**-6, rtol=2**-6)
@@ -140,6 +145,26 @@ def test_forward_plans_are_bounded(monkeypatch):
             torch.testing.assert_close(T.rms_norm(x, (64,), w), torch.nn.functional.rms_norm(x, (64,), w),
                                        atol=1e-5, rtol=1e-5)
         assert 1 <= len(kernels._FORWARD_PLANS) <= 4
+
+
+@pytest.mark.cuda
+def test_planned_calls_keep_the_fallback_policy(monkeypatch):
+    """A call from a launch plan skips the fallback decision, which the plan's key fixes: it is
+    counted as a kernel call; an input that differs only where the kernels do not serve it
+    (float64) still falls back; a strided weight is read as its values (made contiguous)."""
+    from torch_rmsnorm_op import kernels
+
+    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
+    x, w = torch.randn(16, 64, device="cuda"), torch.randn(128, device="cuda")
+    for _ in range(4):
+        y = T.rms_norm(x, (64,), w[::2])
+    assert len(kernels._FORWARD_PLANS) == 1
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w[::2]), atol=1e-5, rtol=1e-5)
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 4}, "fallback": {}}
+    with T.fallback_policy("reference"):
+        y64 = T.rms_norm(x.double(), (64,), w[::2].double())
+    assert y64.dtype == torch.float64 and T.dispatch_stats()["fallback"]
+    torch.testing.assert_close(y64, torch.nn.functional.rms_norm(x.double(), (64,), w[::2].double()))
 
 
 @pytest.mark.cuda

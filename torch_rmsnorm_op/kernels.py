@@ -45,17 +45,19 @@ one stage or, when one would leave fewer programs than SMs, two
 anywhere. The launchers take validated 2-D tensors and write into the outputs
 they are given; ``ops.py`` allocates and validates. A kernel's
 first launch for a specialization goes through Triton's JIT, later ones through
-the compiled kernel's own launcher (``_run``); a forward with 16-byte aligned
-tensors, from its third launch on, through a launch plan kept for its shape
-(``_FORWARD_PLANS``), which skips the rest of the launch's host work.
+the compiled kernel's own launcher (``_run``); an op's forward with 16-byte
+aligned tensors, from its third launch on, through a launch plan kept for its
+shape (``_FORWARD_PLANS``), which skips the rest of the launch's host work.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -540,16 +542,51 @@ def _specialization(args: list) -> tuple:
 # dispatch (binding the arguments, its cache key, the lookup) costs about as much host time
 # as the launch itself (profiling/NOTES.md, sessions 3 and 7), on every call; once it has
 # compiled a specialization, ``_run`` launches that through the compiled kernel's own launcher.
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[tuple, _Launcher] = {}
 _STREAM = None
 
 
+class _Launcher(NamedTuple):
+    """A compiled kernel and its hook-free launch: ``call(gx, gy, gz, stream, *head, *args)``,
+    ``args`` every kernel parameter in order, constexprs included (``_launcher``)."""
+
+    compiled: Any  # triton.compiler.CompiledKernel
+    call: Callable
+    head: tuple
+
+
+# Triton 3.6's CUDA launcher: ``CudaLauncher.__call__(self, gridX, gridY, gridZ, stream, function,
+# *args)`` allocates no scratch for a kernel that needs none and calls its C ``launch`` with
+# these leading arguments (the driver module's ``_BASE_ARGS_FORMAT``).
+_RUN_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function")
+_C_LAUNCH_FORMAT = "iiiKKppOOOOOO"  # grid, stream, function, cooperative, pdl, two scratch, metadata, hooks
+
+
+def _launcher(compiled) -> _Launcher:
+    """What ``compiled[grid](*args, stream=stream)`` runs when no launch hook is registered,
+    without its closure, its launch metadata and the two empty hook chains it hands the launcher
+    (``compiled.run``). Where the launcher is Triton 3.6's (``_RUN_PARAMS``, ``_C_LAUNCH_FORMAT``)
+    and the kernel needs no scratch, its C ``launch`` itself, without the Python ``__call__``
+    around it (profiling/NOTES.md, session 14); any other launcher through ``compiled.run``."""
+    run = compiled.run
+    code = getattr(type(run).__call__, "__code__", None)
+    driver = sys.modules.get(type(run).__module__)
+    if (code is not None and code.co_argcount == len(_RUN_PARAMS) and code.co_varnames[:6] == _RUN_PARAMS
+            and getattr(driver, "_BASE_ARGS_FORMAT", None) == _C_LAUNCH_FORMAT
+            and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
+            and hasattr(run, "launch")):
+        head = (compiled.function, bool(run.launch_cooperative_grid), bool(run.launch_pdl), None, None,
+                compiled.packed_metadata, None, None, None)
+        return _Launcher(compiled, run.launch, head)
+    return _Launcher(compiled, run, (compiled.function, compiled.packed_metadata, None, None, None))
+
+
 def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts: dict,
-         num_warps: int = 4) -> object | None:
+         num_warps: int = 4) -> _Launcher | None:
     """``kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)`` on ``device``,
     the current device: through Triton's JIT the first time a specialization is seen (and
     always when interpreted), through the compiled kernel's launcher after that. Returns the
-    compiled kernel it launched through, or None for a launch through the JIT."""
+    launcher it launched through, or None for a launch through the JIT."""
     if is_interpreted():
         kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
         return None
@@ -557,25 +594,18 @@ def _run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts
     if _STREAM is None:
         _STREAM = triton.runtime.driver.active.get_current_stream
     key = (id(kernel), device.index, num_warps, *consts.values(), _specialization(args))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
+    launcher = _COMPILED.get(key)
+    if launcher is None:
+        _COMPILED[key] = _launcher(kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS))
         return None
     # The compiled launcher takes every parameter in order, constexprs included.
     grid3 = grid + (1,) * (3 - len(grid))
     stream = _STREAM(device.index)
     if _no_launch_hooks():
-        _launch_compiled(compiled, grid3, stream, *args, *consts.values())
+        launcher.call(*grid3, stream, *launcher.head, *args, *consts.values())
     else:
-        compiled[grid3](*args, *consts.values(), stream=stream)
-    return compiled
-
-
-def _launch_compiled(compiled, grid3: tuple[int, int, int], stream: int, *args) -> None:
-    """What ``compiled[grid3](*args, stream=stream)`` runs when no launch hook is registered,
-    without its closure, its launch metadata and the two empty hook chains it hands the
-    launcher. ``args``: every kernel parameter in order, constexprs included."""
-    compiled.run(*grid3, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+        launcher.compiled[grid3](*args, *consts.values(), stream=stream)
+    return launcher
 
 
 # Before ``triton.knobs`` (Triton < 3.4) the launch hooks lived elsewhere: there, always Triton's runner.
@@ -596,7 +626,7 @@ def _empty_hook(hook) -> bool:
 
 
 def _launch(kernel, grid: int, m: int, device: torch.device, cfg: KernelConfig, before: list, after: list,
-            consts: Mapping, pad_rows: int = 0) -> object | None:
+            consts: Mapping, pad_rows: int = 0) -> _Launcher | None:
     """Launch with SLOTS between ``before`` and ``after``. Split mode's programs meet at each
     row's slots in one launch, or run two phases when interpreted (programs run one by one).
     Returns what ``_run`` does for a single launch without slots (SPLIT 1), else None."""
@@ -623,46 +653,75 @@ def loop_steps(cfg: KernelConfig, m: int, n: int) -> int:
     return n // cfg.block_n if cfg.looped and cfg.mask_free and exact_tiles(cfg, m, n) else 0
 
 
-# Forward launches by all that fixes them except the tensors' addresses and eps: the compiled
-# kernel, its grid and its constexprs. ``launch_forward`` keeps one after a launch through a
-# compiled kernel with every pointer 16-byte aligned (so that is what the kernel is specialized
-# on; the ints are in the key); a later call with the same key and aligned pointers launches it
-# straight away, the addresses passed as ints (the launcher then skips a driver query per
-# pointer). What this saves per eager call: profiling/NOTES.md, session 13. Cleared when full,
-# so that shapes that keep changing (M) cannot grow it without bound.
-_FORWARD_PLANS: dict[tuple, tuple] = {}
+# Forward launches by what fixes them except the tensors' addresses and eps (``_plan_key``): the
+# launcher, grid, row strides and sizes, constexprs. ``launch_forward(keep_plan=True)``, which
+# ``ops`` uses for the inputs the kernels serve, keeps one after a launch through a compiled
+# kernel with every pointer 16-byte aligned (so that is what the kernel is specialized on; the
+# ints are in the key) and y's rows contiguous. A later call with the same key and aligned
+# pointers launches it straight away, the addresses passed as ints (the launcher then skips a
+# driver query per pointer); ``ops`` skips the fallback decision too, which the key fixes. What
+# this saves per eager call: profiling/NOTES.md, sessions 13 and 14. Cleared when full, so that
+# shapes that keep changing (M) cannot grow it without bound.
+class _ForwardPlan(NamedTuple):
+    launcher: _Launcher
+    grid3: tuple[int, int, int]
+    sizes: tuple[int, int, int, int]  # x's and y's row strides, M, N
+    tail: tuple  # rows_per_group (0) and the constexprs
+
+
+_FORWARD_PLANS: dict[tuple, _ForwardPlan] = {}
 MAX_FORWARD_PLANS = 4096
 
 
+def _plan_key(x: Tensor, weight: Tensor | None, want_rstd: bool) -> tuple:
+    n = x.shape[-1]
+    return (x.get_device(), x.dtype, None if weight is None else weight.dtype, want_rstd, x.numel() // n, n,
+            row_stride(x))
+
+
+def forward_plan(x: Tensor, weight: Tensor | None, want_rstd: bool) -> _ForwardPlan | None:
+    """The launch plan kept for the forward of CUDA ``x`` [..., N] (N >= 1) with ``weight``
+    (contiguous, or None) into a y with contiguous rows, writing rstd or not; None if none is
+    kept. Plans are kept only for inputs the kernels serve (``launch_forward``'s ``keep_plan``)."""
+    return _FORWARD_PLANS.get(_plan_key(x, weight, want_rstd))
+
+
+def launch_planned(plan: _ForwardPlan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
+                   rstd: Tensor | None) -> bool:
+    """``launch_forward(x, weight, eps, y, rstd)`` from ``plan`` (``forward_plan``'s for these x,
+    weight and rstd; y's rows contiguous) when it serves: the pointers 16-byte aligned, x's
+    device the current one, no launch hook. Returns whether it launched."""
+    ptrs = (x.data_ptr(), x.data_ptr() if weight is None else weight.data_ptr(), y.data_ptr(),
+            y.data_ptr() if rstd is None else rstd.data_ptr())
+    index = x.get_device()
+    # torch.cuda.current_device() without its lazy-init check: a plan means CUDA is up
+    if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 or index != torch._C._cuda_getDevice() \
+            or not _no_launch_hooks():
+        return False
+    launcher = plan.launcher
+    # The arguments as _launch passes them: SLOTS is x (unused: plans are never split mode).
+    # The launcher takes eps as an fp32, as the kernel was compiled for.
+    launcher.call(*plan.grid3, _STREAM(index), *launcher.head, *ptrs, ptrs[0], *plan.sizes, eps, *plan.tail)
+    return True
+
+
 def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
-                   cfg: KernelConfig | None = None) -> None:
+                   cfg: KernelConfig | None = None, keep_plan: bool = False) -> None:
     """Write ``y`` and, unless None, ``rstd`` (M values, contiguous) for ``x``: x and y are
     [M, N] or any [..., N] whose rows ``layout.row_stride`` can address (``N >= 1``); weight
-    contiguous [N] or None. ``cfg`` overrides the table (for tuning)."""
+    contiguous [N] or None. ``cfg`` overrides the table (for tuning). ``keep_plan``: keep a
+    launch plan for later calls (``forward_plan``, ``launch_planned``); only for inputs the
+    kernels serve: the caller has applied the fallback policy."""
+    w = x if weight is None else weight
+    r = y if rstd is None else rstd
     n = x.shape[-1]
     m = x.numel() // n
     if m == 0:
         return
+    eps = float(eps)  # an int eps would be specialized apart
     device = x.device
-    eps = float(eps)  # as the plans were compiled: an int eps would be specialized apart
-    w = x if weight is None else weight
-    r = y if rstd is None else rstd
     stride_x, stride_y = row_stride(x), row_stride(y)
-    plan_key = None
-    if cfg is None and device.type == "cuda":
-        plan_key = (device, x.dtype, None if weight is None else weight.dtype, rstd is None, m, n, stride_x, stride_y)
-        plan = _FORWARD_PLANS.get(plan_key)
-        if plan is not None:
-            ptrs = (x.data_ptr(), w.data_ptr(), y.data_ptr(), r.data_ptr())
-            # torch.cuda.current_device() without its lazy-init check: a plan means CUDA is up
-            if (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15 == 0 and device.index == torch._C._cuda_getDevice() \
-                    and _no_launch_hooks():
-                compiled, grid3, consts = plan
-                # The arguments as _launch passes them: SLOTS is x (unused: plans are never split
-                # mode), rows_per_group 0.
-                _launch_compiled(compiled, grid3, _STREAM(device.index), *ptrs, ptrs[0], stride_x, stride_y, m, n,
-                                 eps, 0, *consts)
-                return
+    keep_plan = keep_plan and cfg is None and device.type == "cuda" and stride_y == n
     cfg = cfg or forward_config(n, x.dtype)
     grid, rows_per_group = cdiv(m, cfg.rows), 0
     if cfg.split > 1:
@@ -673,12 +732,13 @@ def launch_forward(x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd
     # Without rstd, RSTD is y: never written (STORE_RSTD is off).
     before = [x, w, y, r]
     with _on(device):
-        compiled = _launch(_rms_norm_fwd, grid, m, device, cfg, before,
+        launcher = _launch(_rms_norm_fwd, grid, m, device, cfg, before,
                            [stride_x, stride_y, m, n, eps, rows_per_group], consts, pad_rows=rows_per_group)
-    if plan_key is not None and compiled is not None and all(t.data_ptr() & 15 == 0 for t in before):
+    if keep_plan and launcher is not None and all(t.data_ptr() & 15 == 0 for t in before):
         if len(_FORWARD_PLANS) >= MAX_FORWARD_PLANS:
             _FORWARD_PLANS.clear()
-        _FORWARD_PLANS[plan_key] = (compiled, (grid, 1, 1), tuple(consts.values()))
+        _FORWARD_PLANS[_plan_key(x, weight, rstd is not None)] = _ForwardPlan(
+            launcher, (grid, 1, 1), (stride_x, stride_y, m, n), (rows_per_group, *consts.values()))
 
 
 def backward_workspace(m: int, n: int, device: torch.device, dtype: torch.dtype,
