@@ -571,7 +571,7 @@ def _launcher(compiled) -> _Launcher:
     run = compiled.run
     code = getattr(type(run).__call__, "__code__", None)
     driver = sys.modules.get(type(run).__module__)
-    if (code is not None and code.co_argcount == len(_RUN_PARAMS) and code.co_varnames[:6] == _RUN_PARAMS
+    if (code is not None and code.co_argcount == len(_RUN_PARAMS) and code.co_varnames[:len(_RUN_PARAMS)] == _RUN_PARAMS
             and getattr(driver, "_BASE_ARGS_FORMAT", None) == _C_LAUNCH_FORMAT
             and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
             and hasattr(run, "launch")):
