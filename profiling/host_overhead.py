@@ -8,7 +8,8 @@ call (Triton 3.6: its C launch) with the same arguments; and the
 pieces a launch needs (the launch key ``kernels._run`` computes, the current stream). Under
 ``torch.compile(mode="reduce-overhead")``: ours and Inductor's ``F.rms_norm``, wall
 time and GPU time per call, with and without ``mark_static_address`` on the input,
-and the cudagraph skip counter. Then a cProfile of the eager call.
+and the cudagraph skip counter. Then a cProfile of the eager call. "host only" rows: the host's
+time per call of a few of these, not waiting for the GPU (``host_us``).
 
 Run: ``python profiling/host_overhead.py --out DIR`` (writes ``DIR/host_overhead.json``
 and ``DIR/host_overhead_profile.txt``). ``TRITON_INTERPRET=1 python profiling/host_overhead.py
@@ -23,7 +24,9 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -93,7 +96,28 @@ def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
         "ops._nothing_to_dispatch": lambda: ops._nothing_to_dispatch(x, w),
         "kernels.forward_plan": lambda: kernels.forward_plan(x, w, False),
     }
-    return {name: round(us, 2) for name, us in calls_us(calls, calls=300).items()}
+    out = {name: round(us, 2) for name, us in calls_us(calls, calls=300).items()}
+    host = {name: calls[name] for name in ("F.rms_norm", "torch_rmsnorm_op.rms_norm", "kernels.launch_planned",
+                                          "torch.empty_like(x, memory_format=contiguous)")}
+    out |= {f"host only: {name}": round(us, 2) for name, us in host_us(host).items()}
+    return out
+
+
+def host_us(fns: dict, calls: int = 200, windows: int = 11) -> dict[str, float]:
+    """Host time per call without waiting for the GPU: as ``benchmark.calls_us``, but each
+    window's clock stops before the synchronize that ends it (``calls`` launches stay far
+    below the launch queue's depth, so the host never waits on the GPU inside a window)."""
+    samples = {name: [] for name in fns}
+    with torch.no_grad():
+        for _ in range(windows):
+            for name, fn in fns.items():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / calls * 1e6)
+                torch.cuda.synchronize()
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
