@@ -680,9 +680,10 @@ def _plan_key(x: Tensor, weight: Tensor | None, want_rstd: bool) -> tuple:
 
 
 def forward_plan(x: Tensor, weight: Tensor | None, want_rstd: bool) -> _ForwardPlan | None:
-    """The launch plan kept for the forward of CUDA ``x`` [..., N] (N >= 1) with ``weight``
-    (contiguous, or None) into a y with contiguous rows, writing rstd or not; None if none is
-    kept. Plans are kept only for inputs the kernels serve (``launch_forward``'s ``keep_plan``)."""
+    """The launch plan kept for the forward of CUDA ``x`` [..., N] (N >= 1) with a weight of
+    ``weight``'s dtype (or none) into a y with contiguous rows, writing rstd or not; None if none
+    is kept. Plans are kept only for inputs the kernels serve (``launch_forward``'s
+    ``keep_plan``); ``launch_planned`` takes the weight contiguous."""
     return _FORWARD_PLANS.get(_plan_key(x, weight, want_rstd))
 
 

@@ -68,11 +68,10 @@ def _forward(x: Tensor, weight: Tensor | None, eps: float, want_rstd: bool = Tru
     kernels (``STORE_RSTD``) and the second result is None, unless the reference served the
     call or N is 0."""
     n = x.shape[-1]
-    w = None if weight is None else weight.contiguous()
     plan = None
     if n > 0:
         # Plans are kept only for inputs the kernels serve: with one, the policy has nothing to decide.
-        plan = _kernels().forward_plan(x, w, want_rstd) if x.is_cuda else None
+        plan = _kernels().forward_plan(x, weight, want_rstd) if x.is_cuda else None
         if plan is not None:
             record_kernel("rmsnorm.fwd")
         elif not _kernels_serve("rmsnorm.fwd", x, weight):
@@ -84,6 +83,7 @@ def _forward(x: Tensor, weight: Tensor | None, eps: float, want_rstd: bool = Tru
         rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype), device=x.device)
     if n == 0:  # nothing to normalize; mean of an empty row is NaN, as in torch
         return y, rstd.fill_(math.nan)
+    w = None if weight is None else weight.contiguous()
     if plan is None or not _kernels().launch_planned(plan, x, w, eps, y, rstd):
         _kernels().launch_forward(x, w, eps, y, rstd, keep_plan=True)
     return y, rstd
