@@ -1,9 +1,10 @@
 """Split mode's streaming loop, with and without TMA loads (profiling/NOTES.md, session 15).
 
 Split mode (forward N >= 65536) runs at 88-89% of the copy ceiling, and without any exchange
-between programs its persistent loop still runs at 86-87% (variant ``no_exchange``, session 12):
-the loop itself is the bound. This probe times that loop alone, with no exchange (each program
-scales its chunk by its own chunk's rms: wrong results, the same bytes), two ways in one run:
+between programs (variant ``no_exchange``) its persistent loop runs at about the same: the loop
+itself is the bound (sessions 12 and 15). This probe times a loop of that form alone, with no
+exchange (each program scales its chunk by its own chunk's rms: wrong results, the same bytes),
+two ways in one run:
 
 - ``ptr``: pointer loads, pipelined by Triton into shared memory (``num_stages``), as the package's
   kernel does;
