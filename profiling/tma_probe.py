@@ -13,11 +13,13 @@ two ways in one run:
   or by pointers;
 
 against ``y.copy_(x)``, the same loop without the reduction (a copy: what the loop streams at
-best), and the package's own split forward, on the same x (256 MiB). GPU time:
+best), and the package's own split forward, on the same x (256 MiB). ``--part backward`` does
+the same for the split backward's loop (x and dy read, dx written; pointer loads only), against
+``torch.add(x, dy, out=dx)`` and the package's split backward. GPU time:
 ``triton.testing.do_bench`` median. Prints one line per variant and writes them to ``--out``
 as JSON.
 
-    python profiling/tma_probe.py --out tma_probe.json
+    python profiling/tma_probe.py --out tma_probe.json [--part forward|backward|all]
     python profiling/tma_probe.py --package-only   # e.g. after profiling/variants/apply.py no_exchange
 """
 
@@ -32,6 +34,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -77,6 +80,34 @@ def _stream_tma(x_desc, y_desc, Y, stride, M, N, rows_per_group, BLOCK_N: tl.con
                      mask=offs < tl.where(row < M, N, 0))
 
 
+
+@triton.jit
+def _stream_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, STAGES: tl.constexpr, REDUCE: tl.constexpr = True):
+    """The split backward's loop without the exchange: each program's row dot is its own chunk's."""
+    pid = tl.program_id(0)
+    chunk = pid % SPLIT
+    group = pid // SPLIT
+    step = tl.num_programs(0) // SPLIT
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.range(0, rows_per_group, num_stages=STAGES):
+        row = (group + i * step).to(tl.int64)
+        mask = offs < tl.where(row < M, N, 0)
+        x = tl.load(X + row * stride + offs, mask=mask, other=0.0)
+        dy = tl.load(DY + row * stride + offs, mask=mask, other=0.0)
+        if REDUCE:
+            x, dy = x.to(tl.float32), dy.to(tl.float32)
+            rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+            u = dy * w
+            dx = (u - x * (rstd * rstd * tl.sum(u * x, axis=0) / BLOCK_N)) * rstd
+            dw += dy * x * rstd
+        else:  # (in fp32: the interpreter adds bf16 wrongly)
+            dx = x.to(tl.float32) + dy.to(tl.float32)
+        tl.store(DX + row * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * BLOCK_N + tl.arange(0, BLOCK_N), dw)
+
 def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
     groups = max(1, per_sm * sms // split)
     return groups * split, triton.cdiv(m, groups)
@@ -86,7 +117,39 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300)
 
 
-def _probe_shape(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool) -> None:
+class _Recorder:
+    """Times launches of one shape against the copy ceiling and checks what they wrote."""
+
+    def __init__(self, dtype: torch.dtype, n: int, floor: int, copy_gbs: float, results: list, out: Tensor,
+                 check) -> None:
+        self.dtype, self.n, self.floor, self.copy_gbs = dtype, n, floor, copy_gbs
+        self.results, self.out, self.check = results, out, check
+
+    def __call__(self, name: str, fn, cfg) -> None:
+        self.out.zero_()
+        try:
+            ms = _ms(fn)
+        except Exception as e:  # a configuration that does not compile is reported, not fatal
+            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            return
+        gbs = self.floor / ms / 1e6
+        err = self.check(name, cfg) if isinstance(cfg, dict) else None
+        row = dict(dtype=str(self.dtype).removeprefix("torch."), n=self.n, variant=name, config=cfg, us=ms * 1e3,
+                   gbs=gbs, pct_copy=100 * gbs / self.copy_gbs, copy_gbs=self.copy_gbs, max_abs_err=err)
+        self.results.append(row)
+        print(f"{row['dtype']:>8} N={self.n:<7} {name:<34} {cfg!s:<72} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s "
+              f"{row['pct_copy']:5.1f}% of copy" + ("" if err is None else f"  err {err:.2g}"), flush=True)
+
+
+def _configs(table) -> tuple:
+    """(programs per SM, warps, stages) around a split rung."""
+    half = max(4, table.num_warps // 2)
+    return ((table.programs_per_sm, table.num_warps, table.stages), (2, table.num_warps, 2),
+            (2, table.num_warps, 3), (2, table.num_warps, 4), (1, table.num_warps, 3), (4, half, 2), (4, half, 3),
+            (8, 4, 2))
+
+
+def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from torch_rmsnorm_op import kernels
@@ -97,29 +160,15 @@ def _probe_shape(dtype: torch.dtype, n: int, sms: int, results: list, package_on
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     y = torch.empty_like(x)
     floor = 2 * m * n * elem
-    copy_gbs = floor / _ms(lambda: y.copy_(x)) / 1e6
 
-    def record(name: str, fn, cfg) -> None:
-        y.zero_()
-        try:
-            ms = _ms(fn)
-        except Exception as e:  # a configuration that does not compile is reported, not fatal
-            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-            return
-        gbs = floor / ms / 1e6
-        err = None
+    def check(name: str, cfg: dict) -> float:
         if name.startswith("copy loop"):
-            err = (y - x).abs().max().item()
-        elif isinstance(cfg, dict):  # what the probe's kernels compute: each chunk scaled by its own rms
-            xc = x.view(m, n // cfg["block_n"], cfg["block_n"]).float()
-            ref = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
-            err = (y.view_as(ref).float() - ref).abs().max().item()
-        row = dict(dtype=str(dtype).removeprefix("torch."), n=n, variant=name, config=cfg, us=ms * 1e3, gbs=gbs,
-                   pct_copy=100 * gbs / copy_gbs, copy_gbs=copy_gbs, max_abs_err=err)
-        results.append(row)
-        print(f"{row['dtype']:>8} N={n:<7} {name:<34} {cfg!s:<72} {ms * 1e3:8.1f} us {gbs:6.0f} GB/s "
-              f"{row['pct_copy']:5.1f}% of copy" + ("" if err is None else f"  err {err:.2g}"), flush=True)
+            return (y - x).abs().max().item()
+        xc = x.view(m, n // cfg["block_n"], cfg["block_n"]).float()  # each chunk scaled by its own rms
+        ref = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (y.view_as(ref).float() - ref).abs().max().item()
 
+    record = _Recorder(dtype, n, floor, floor / _ms(lambda: y.copy_(x)) / 1e6, results, y, check)
     record("copy", lambda: y.copy_(x), "")
     table = forward_config(n, dtype)
     record("package split forward", lambda: kernels.launch_forward(x, None, 1e-6, y, None), str(table))
@@ -131,9 +180,7 @@ def _probe_shape(dtype: torch.dtype, n: int, sms: int, results: list, package_on
         box = [1, blk // inner, inner]
         xd = TensorDescriptor.from_tensor(x.view(m, n // inner, inner), box)
         yd = TensorDescriptor.from_tensor(y.view(m, n // inner, inner), box)
-        for per_sm, warps, stages in ((2, table.num_warps, 2), (2, table.num_warps, 3), (2, table.num_warps, 4),
-                                      (1, table.num_warps, 3), (4, max(4, table.num_warps // 2), 2),
-                                      (4, max(4, table.num_warps // 2), 3), (8, 4, 2)):
+        for per_sm, warps, stages in _configs(table)[1:]:
             grid, rows = _grid(m, split, per_sm, sms)
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
@@ -146,16 +193,66 @@ def _probe_shape(dtype: torch.dtype, n: int, sms: int, results: list, package_on
                                          TMA_STORE=tma_store, **consts), cfg)
 
 
+def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool) -> None:
+    """The backward's loop: x and dy read, dx written (floor 3·M·N·elem; the dweight partials and
+    their reduction are not counted), against ``torch.add(x, dy, out=dx)``."""
+    from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.config import backward_config
+
+    elem = torch.empty((), dtype=dtype).element_size()
+    m = (256 << 20) // (n * elem)
+    x, dy = torch.randn(m, n, device="cuda", dtype=dtype), torch.randn(m, n, device="cuda", dtype=dtype)
+    w = torch.randn(n, device="cuda", dtype=dtype)
+    rstd = torch.rand(m, device="cuda") + 0.5
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    floor = 3 * m * n * elem
+
+    def check(name: str, cfg: dict) -> float:
+        if name.startswith("copy loop"):
+            return (dx.float() - (x.float() + dy.float())).abs().max().item()
+        shape = (m, n // cfg["block_n"], cfg["block_n"])
+        xc, u = x.view(shape).float(), dy.view(shape).float() * w.view(shape[1:]).float()
+        r = rstd.view(m, 1, 1)
+        ref = (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r
+        return (dx.view(shape).float() - ref).abs().max().item()
+
+    add_gbs = floor / _ms(lambda: torch.add(x, dy, out=dx)) / 1e6
+    record = _Recorder(dtype, n, floor, add_gbs, results, dx, check)
+    record("add (x + dy, aten)", lambda: torch.add(x, dy, out=dx), "")
+    table = backward_config(n, dtype)
+    workspace = kernels.backward_workspace(m, n, x.device, dtype)
+    record("package split backward", lambda: kernels.launch_backward(dy, x, w, rstd, dx, dw, workspace), str(table))
+    if package_only:
+        return
+    for split_mul in (1, 2):
+        split, blk = table.split * split_mul, table.block_n // split_mul
+        for per_sm, warps, stages in _configs(table):
+            grid, rows = _grid(m, split, per_sm, sms)
+            cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
+            partial = torch.empty(grid, blk, device="cuda")
+            consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
+            args = (x, dy, dx, w, rstd, partial, n, m, n, rows)
+            record("bwd loop (ptr, no exchange)", functools.partial(_stream_bwd[(grid,)], *args, **consts), cfg)
+            record("copy loop (ptr, x + dy)",
+                   functools.partial(_stream_bwd[(grid,)], *args, REDUCE=False, **consts), cfg)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--package-only", action="store_true",
-                        help="time the copy and the package's split forward only (e.g. with a variant applied)")
+                        help="time the ceilings and the package's split kernels only (e.g. with a variant applied)")
+    parser.add_argument("--part", choices=("forward", "backward", "all"), default="all")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     results: list = []
-    for dtype, n in ((torch.bfloat16, 65536), (torch.bfloat16, 262144), (torch.float32, 65536)):
-        _probe_shape(dtype, n, sms, results, args.package_only)
+    if args.part in ("forward", "all"):
+        for dtype, n in ((torch.bfloat16, 65536), (torch.bfloat16, 262144), (torch.float32, 65536)):
+            _probe_forward(dtype, n, sms, results, args.package_only)
+    if args.part in ("backward", "all"):
+        for dtype, n in ((torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 262144),
+                         (torch.float32, 65536)):
+            _probe_backward(dtype, n, sms, results, args.package_only)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
