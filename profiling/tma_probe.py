@@ -38,6 +38,8 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from torch_rmsnorm_op.kernels import _exchange  # noqa: E402
+
 INNER = 64  # the descriptor's last box dimension, in elements
 
 
@@ -108,9 +110,70 @@ def _stream_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, stride, M, N, rows_per_group, BL
         tl.store(DX + row * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + pid * BLOCK_N + tl.arange(0, BLOCK_N), dw)
 
+
+# The split loops in their simplest form, with the package's exchange: at row i a program
+# publishes row i's partial and waits for row i's total (EXCHANGE), while Triton's pipeliner
+# has rows i + 1 .. i + STAGES - 1 in flight; nothing is held from one row to the next. Without
+# EXCHANGE each program uses its own chunk's partial (wrong results, the same bytes).
+@triton.jit
+def _simple_fwd(X, Y, SLOTS, stride, M, N, eps, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                STAGES: tl.constexpr, EXCHANGE: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = pid % SPLIT
+    group = pid // SPLIT
+    step = tl.num_programs(0) // SPLIT
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    for i in tl.range(0, rows_per_group, num_stages=STAGES):
+        row = group + i * step
+        mask = offs < tl.where(row < M, N, 0)
+        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
+        sum_sq = tl.sum(x * x, axis=0)
+        if EXCHANGE:
+            sum_sq = _exchange(sum_sq, row >= 0, SLOTS, row, row, chunk, SPLIT, 0) / N
+        else:
+            sum_sq = sum_sq / BLOCK_N
+        tl.store(Y + row.to(tl.int64) * stride + offs, (x * tl.rsqrt(sum_sq + eps)).to(Y.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _simple_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
+                SPLIT: tl.constexpr, STAGES: tl.constexpr, EXCHANGE: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = pid % SPLIT
+    group = pid // SPLIT
+    step = tl.num_programs(0) // SPLIT
+    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in tl.range(0, rows_per_group, num_stages=STAGES):
+        row = group + i * step
+        mask = offs < tl.where(row < M, N, 0)
+        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+        u = dy * w
+        dot = tl.sum(u * x, axis=0)
+        if EXCHANGE:
+            dot = _exchange(dot, row >= 0, SLOTS, row, row, chunk, SPLIT, 0) / N
+        else:
+            dot = dot / BLOCK_N
+        tl.store(DX + row.to(tl.int64) * stride + offs, ((u - x * (rstd * rstd * dot)) * rstd).to(DX.dtype.element_ty),
+                 mask=mask)
+        dw += dy * x * rstd
+    tl.store(DW_PARTIAL + pid * BLOCK_N + tl.arange(0, BLOCK_N), dw)
+
 def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
     groups = max(1, per_sm * sms // split)
     return groups * split, triton.cdiv(m, groups)
+
+
+def _with_zeroed(slots: Tensor, launch):
+    """``launch`` after zeroing the exchange's slots, as the package's launcher does."""
+    def run():
+        slots.zero_()
+        launch()
+    return run
 
 
 def _ms(fn) -> float:
@@ -149,7 +212,8 @@ def _configs(table) -> tuple:
             (8, 4, 2))
 
 
-def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool) -> None:
+def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool,
+                   simple_only: bool) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from torch_rmsnorm_op import kernels
@@ -164,6 +228,8 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_
     def check(name: str, cfg: dict) -> float:
         if name.startswith("copy loop"):
             return (y - x).abs().max().item()
+        if name.startswith("simple + exchange"):  # the real thing
+            return (y.float() - torch.nn.functional.rms_norm(x.float(), (n,), eps=1e-6)).abs().max().item()
         xc = x.view(m, n // cfg["block_n"], cfg["block_n"]).float()  # each chunk scaled by its own rms
         ref = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
         return (y.view_as(ref).float() - ref).abs().max().item()
@@ -184,6 +250,13 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_
             grid, rows = _grid(m, split, per_sm, sms)
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
+            slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
+            for exchange in (True, False):
+                record("simple + exchange" if exchange else "simple (no exchange)",
+                       _with_zeroed(slots, functools.partial(_simple_fwd[(grid,)], x, y, slots, n, m, n, 1e-6, rows,
+                                                             EXCHANGE=exchange, **consts)), cfg)
+            if simple_only:
+                continue
             record("ptr (no exchange)", functools.partial(_stream_ptr[(grid,)], x, y, n, m, n, rows, **consts), cfg)
             record("copy loop (ptr, no reduction)",
                    functools.partial(_stream_ptr[(grid,)], x, y, n, m, n, rows, REDUCE=False, **consts), cfg)
@@ -193,7 +266,8 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_
                                          TMA_STORE=tma_store, **consts), cfg)
 
 
-def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool) -> None:
+def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool,
+                    simple_only: bool) -> None:
     """The backward's loop: x and dy read, dx written (floor 3·M·N·elem; the dweight partials and
     their reduction are not counted), against ``torch.add(x, dy, out=dx)``."""
     from torch_rmsnorm_op import kernels
@@ -210,7 +284,7 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package
     def check(name: str, cfg: dict) -> float:
         if name.startswith("copy loop"):
             return (dx.float() - (x.float() + dy.float())).abs().max().item()
-        shape = (m, n // cfg["block_n"], cfg["block_n"])
+        shape = (m, 1, n) if name.startswith("simple + exchange") else (m, n // cfg["block_n"], cfg["block_n"])
         xc, u = x.view(shape).float(), dy.view(shape).float() * w.view(shape[1:]).float()
         r = rstd.view(m, 1, 1)
         ref = (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r
@@ -232,6 +306,13 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package
             partial = torch.empty(grid, blk, device="cuda")
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             args = (x, dy, dx, w, rstd, partial, n, m, n, rows)
+            slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
+            for exchange in (True, False):
+                record("simple + exchange" if exchange else "simple (no exchange)",
+                       _with_zeroed(slots, functools.partial(_simple_bwd[(grid,)], x, dy, dx, w, rstd, partial, slots,
+                                                             n, m, n, rows, EXCHANGE=exchange, **consts)), cfg)
+            if simple_only:
+                continue
             record("bwd loop (ptr, no exchange)", functools.partial(_stream_bwd[(grid,)], *args, **consts), cfg)
             record("copy loop (ptr, x + dy)",
                    functools.partial(_stream_bwd[(grid,)], *args, REDUCE=False, **consts), cfg)
@@ -243,16 +324,17 @@ def main() -> None:
     parser.add_argument("--package-only", action="store_true",
                         help="time the ceilings and the package's split kernels only (e.g. with a variant applied)")
     parser.add_argument("--part", choices=("forward", "backward", "all"), default="all")
+    parser.add_argument("--simple-only", action="store_true", help="of the loops, only the simple ones")
     args = parser.parse_args()
     sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     results: list = []
     if args.part in ("forward", "all"):
         for dtype, n in ((torch.bfloat16, 65536), (torch.bfloat16, 262144), (torch.float32, 65536)):
-            _probe_forward(dtype, n, sms, results, args.package_only)
+            _probe_forward(dtype, n, sms, results, args.package_only, args.simple_only)
     if args.part in ("backward", "all"):
         for dtype, n in ((torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 262144),
                          (torch.float32, 65536)):
-            _probe_backward(dtype, n, sms, results, args.package_only)
+            _probe_backward(dtype, n, sms, results, args.package_only, args.simple_only)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
