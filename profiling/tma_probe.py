@@ -1,25 +1,27 @@
-"""Split mode's streaming loop, with and without TMA loads (profiling/NOTES.md, session 15).
+"""Split mode's loops alone: how far they stream, with and without TMA loads and the exchange.
 
-Split mode (forward N >= 65536) runs at 88-89% of the copy ceiling, and without any exchange
-between programs (variant ``no_exchange``) its persistent loop runs at about the same: the loop
-itself is the bound (sessions 12 and 15). This probe times a loop of that form alone, with no
-exchange (each program scales its chunk by its own chunk's rms: wrong results, the same bytes),
-two ways in one run:
+Split mode (forward N >= 65536, backward N >= 32768) runs its row loop on a persistent grid: the
+programs of a row group walk interleaved rows, each over its chunk of the row. This probe times
+that loop in its simplest form (row i read, its partial formed, row i finished; rows
+i + 1 .. i + stages - 1 in flight in shared memory through Triton's pipeliner), over a few
+configurations around the table's rung (profiling/NOTES.md, session 15):
 
-- ``ptr``: pointer loads, pipelined by Triton into shared memory (``num_stages``), as the package's
-  kernel does;
-- ``tma``: the chunk loaded through a host tensor descriptor (Hopper's bulk tensor copy), x viewed
-  as [M, N / 64, 64] (a box dimension is at most 256), stored through one as well (``TMA_STORE``)
-  or by pointers;
+- ``own``: no exchange, each program scales its chunk by its own chunk's partial (wrong
+  results, the package's bytes); pointer loads;
+- ``copy``: the same loop without the reduction (forward y = x, backward dx = x + dy): what the
+  loop streams at best;
+- ``exchange``: the package's exchange (``kernels._exchange``), published and awaited at the same
+  row, where the package's kernels publish a row ahead: real results (checked);
+- ``tma`` (forward only): ``own`` with x's chunks loaded through a host tensor descriptor
+  (Hopper's bulk tensor copies; x viewed as [M, N / 64, 64], a box dimension being at most
+  256), y stored by pointers or through a descriptor too;
 
-against ``y.copy_(x)``, the same loop without the reduction (a copy: what the loop streams at
-best), and the package's own split forward, on the same x (256 MiB). ``--part backward`` does
-the same for the split backward's loop (x and dy read, dx written; pointer loads only), against
-``torch.add(x, dy, out=dx)`` and the package's split backward. GPU time:
-``triton.testing.do_bench`` median. Prints one line per variant and writes them to ``--out``
-as JSON.
+beside ``y.copy_(x)`` (forward; backward: ``torch.add(x, dy, out=dx)``, floor 3·M·N·elem) and the
+package's own split kernels, on 256 MiB tensors. GPU time: ``triton.testing.do_bench``
+median; every loop's output is checked against what it claims to compute. Prints a line per
+run and writes them to ``--out`` as JSON.
 
-    python profiling/tma_probe.py --out tma_probe.json [--part forward|backward|all]
+    python profiling/tma_probe.py --out probe.json [--part forward|backward] [--loops own,copy,exchange,tma]
     python profiling/tma_probe.py --package-only   # e.g. after profiling/variants/apply.py no_exchange
 """
 
@@ -43,33 +45,52 @@ from torch_rmsnorm_op.kernels import _exchange  # noqa: E402
 INNER = 64  # the descriptor's last box dimension, in elements
 
 
+# What a probe loop does with a row's partial (the ``MODE`` constexpr):
+COPY = tl.constexpr(0)  # no reduction: y = x (forward), dx = x + dy (backward)
+OWN = tl.constexpr(1)  # no exchange: each program uses its own chunk's partial (wrong results, the same bytes)
+EXCHANGE = tl.constexpr(2)  # the package's exchange, published and awaited at the same row: the real results
+
+
 @triton.jit
-def _stream_ptr(X, Y, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                STAGES: tl.constexpr, REDUCE: tl.constexpr = True):
+def _program(BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+    """A program's chunk, row group and row step (groups on interleaved rows), and its columns."""
     pid = tl.program_id(0)
     chunk = pid % SPLIT
-    group = pid // SPLIT
-    step = tl.num_programs(0) // SPLIT
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    return chunk, pid // SPLIT, tl.num_programs(0) // SPLIT, chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _row_total(value, SLOTS, row, chunk, N, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr):
+    """The row's mean of ``value`` (this program's partial): its own chunk's, or the row's (EXCHANGE)."""
+    if MODE == EXCHANGE:
+        return _exchange(value, row >= 0, SLOTS, row, row, chunk, SPLIT, 0) / N
+    return value / BLOCK_N
+
+
+# The split loops in their simplest form: at row i a program reads row i, forms its partial
+# and finishes the row; nothing is held from one row to the next, and Triton's pipeliner has
+# rows i + 1 .. i + STAGES - 1 in flight. The package's loops instead hold row i in registers
+# while row i + 1's partial is published (profiling/NOTES.md, session 15).
+@triton.jit
+def _loop_fwd(X, Y, SLOTS, stride, M, N, eps, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+              STAGES: tl.constexpr, MODE: tl.constexpr):
+    chunk, group, step, offs = _program(BLOCK_N, SPLIT)
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
-        row = (group + i * step).to(tl.int64)
+        row = group + i * step
         mask = offs < tl.where(row < M, N, 0)  # (the interpreter takes no scalar & block mask)
-        x = tl.load(X + row * stride + offs, mask=mask, other=0.0)
-        if REDUCE:
+        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0)
+        if MODE != COPY:
             x = x.to(tl.float32)
-            x = x * tl.rsqrt(tl.sum(x * x, axis=0) / BLOCK_N + 1e-6)
-        tl.store(Y + row * stride + offs, x.to(Y.dtype.element_ty), mask=mask)
+            x = x * tl.rsqrt(_row_total(tl.sum(x * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE) + eps)
+        tl.store(Y + row.to(tl.int64) * stride + offs, x.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _stream_tma(x_desc, y_desc, Y, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                STAGES: tl.constexpr, INNER_N: tl.constexpr, TMA_STORE: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = pid % SPLIT
-    group = pid // SPLIT
-    step = tl.num_programs(0) // SPLIT
+def _loop_tma(x_desc, y_desc, Y, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+              STAGES: tl.constexpr, INNER_N: tl.constexpr, TMA_STORE: tl.constexpr):
+    """``_loop_fwd`` (MODE OWN) with x's chunks loaded through a descriptor (and stored by one)."""
+    chunk, group, step, offs = _program(BLOCK_N, SPLIT)
     col = chunk * (BLOCK_N // INNER_N)
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = group + i * step
         x = x_desc.load([row, col, 0]).to(tl.float32)  # [1, BLOCK_N // INNER_N, INNER_N], zeros past M
@@ -82,86 +103,35 @@ def _stream_tma(x_desc, y_desc, Y, stride, M, N, rows_per_group, BLOCK_N: tl.con
                      mask=offs < tl.where(row < M, N, 0))
 
 
-
 @triton.jit
-def _stream_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, STAGES: tl.constexpr, REDUCE: tl.constexpr = True):
-    """The split backward's loop without the exchange: each program's row dot is its own chunk's."""
-    pid = tl.program_id(0)
-    chunk = pid % SPLIT
-    group = pid // SPLIT
-    step = tl.num_programs(0) // SPLIT
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in tl.range(0, rows_per_group, num_stages=STAGES):
-        row = (group + i * step).to(tl.int64)
-        mask = offs < tl.where(row < M, N, 0)
-        x = tl.load(X + row * stride + offs, mask=mask, other=0.0)
-        dy = tl.load(DY + row * stride + offs, mask=mask, other=0.0)
-        if REDUCE:
-            x, dy = x.to(tl.float32), dy.to(tl.float32)
-            rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-            u = dy * w
-            dx = (u - x * (rstd * rstd * tl.sum(u * x, axis=0) / BLOCK_N)) * rstd
-            dw += dy * x * rstd
-        else:  # (in fp32: the interpreter adds bf16 wrongly)
-            dx = x.to(tl.float32) + dy.to(tl.float32)
-        tl.store(DX + row * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid * BLOCK_N + tl.arange(0, BLOCK_N), dw)
-
-
-# The split loops in their simplest form, with the package's exchange: at row i a program
-# publishes row i's partial and waits for row i's total (EXCHANGE), while Triton's pipeliner
-# has rows i + 1 .. i + STAGES - 1 in flight; nothing is held from one row to the next. Without
-# EXCHANGE each program uses its own chunk's partial (wrong results, the same bytes).
-@triton.jit
-def _simple_fwd(X, Y, SLOTS, stride, M, N, eps, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-                STAGES: tl.constexpr, EXCHANGE: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = pid % SPLIT
-    group = pid // SPLIT
-    step = tl.num_programs(0) // SPLIT
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    for i in tl.range(0, rows_per_group, num_stages=STAGES):
-        row = group + i * step
-        mask = offs < tl.where(row < M, N, 0)
-        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
-        sum_sq = tl.sum(x * x, axis=0)
-        if EXCHANGE:
-            sum_sq = _exchange(sum_sq, row >= 0, SLOTS, row, row, chunk, SPLIT, 0) / N
-        else:
-            sum_sq = sum_sq / BLOCK_N
-        tl.store(Y + row.to(tl.int64) * stride + offs, (x * tl.rsqrt(sum_sq + eps)).to(Y.dtype.element_ty),
-                 mask=mask)
-
-
-@triton.jit
-def _simple_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
-                SPLIT: tl.constexpr, STAGES: tl.constexpr, EXCHANGE: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = pid % SPLIT
-    group = pid // SPLIT
-    step = tl.num_programs(0) // SPLIT
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+def _loop_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
+              SPLIT: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr):
+    chunk, group, step, offs = _program(BLOCK_N, SPLIT)
     w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = group + i * step
         mask = offs < tl.where(row < M, N, 0)
+        # fp32 even to copy: the interpreter adds bf16 wrongly
         x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-        u = dy * w
-        dot = tl.sum(u * x, axis=0)
-        if EXCHANGE:
-            dot = _exchange(dot, row >= 0, SLOTS, row, row, chunk, SPLIT, 0) / N
+        if MODE == COPY:
+            dx = x + dy
         else:
-            dot = dot / BLOCK_N
-        tl.store(DX + row.to(tl.int64) * stride + offs, ((u - x * (rstd * rstd * dot)) * rstd).to(DX.dtype.element_ty),
-                 mask=mask)
-        dw += dy * x * rstd
-    tl.store(DW_PARTIAL + pid * BLOCK_N + tl.arange(0, BLOCK_N), dw)
+            rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
+            u = dy * w
+            dot = _row_total(tl.sum(u * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE)
+            dx = (u - x * (rstd * rstd * dot)) * rstd
+            dw += dy * x * rstd
+        tl.store(DX + row.to(tl.int64) * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), dw)
+
+# The probe's loops by name (``--loops``), their MODE, and the names their rows carry.
+LOOP_MODES = {"own": OWN.value, "copy": COPY.value, "exchange": EXCHANGE.value}
+FORWARD_NAMES = {"own": "ptr (no exchange)", "copy": "copy loop (ptr, no reduction)", "exchange": "simple + exchange"}
+BACKWARD_NAMES = {"own": "bwd loop (ptr, no exchange)", "copy": "copy loop (ptr, x + dy)",
+                  "exchange": "simple + exchange"}
+
 
 def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
     groups = max(1, per_sm * sms // split)
@@ -212,8 +182,7 @@ def _configs(table) -> tuple:
             (8, 4, 2))
 
 
-def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool,
-                   simple_only: bool) -> None:
+def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: frozenset[str]) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from torch_rmsnorm_op import kernels
@@ -238,7 +207,7 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_
     record("copy", lambda: y.copy_(x), "")
     table = forward_config(n, dtype)
     record("package split forward", lambda: kernels.launch_forward(x, None, 1e-6, y, None), str(table))
-    if package_only:
+    if not loops:
         return
     inner = INNER * 2 // elem
     for split_mul in (1, 2):
@@ -251,23 +220,17 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, package_
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
-            for exchange in (True, False):
-                record("simple + exchange" if exchange else "simple (no exchange)",
-                       _with_zeroed(slots, functools.partial(_simple_fwd[(grid,)], x, y, slots, n, m, n, 1e-6, rows,
-                                                             EXCHANGE=exchange, **consts)), cfg)
-            if simple_only:
-                continue
-            record("ptr (no exchange)", functools.partial(_stream_ptr[(grid,)], x, y, n, m, n, rows, **consts), cfg)
-            record("copy loop (ptr, no reduction)",
-                   functools.partial(_stream_ptr[(grid,)], x, y, n, m, n, rows, REDUCE=False, **consts), cfg)
-            for tma_store in (False, True):
+            for loop, mode in LOOP_MODES.items():
+                if loop in loops:
+                    record(FORWARD_NAMES[loop], _with_zeroed(slots, functools.partial(
+                        _loop_fwd[(grid,)], x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **consts)), cfg)
+            for tma_store in (False, True) if "tma" in loops else ():
                 record("tma load" + (" + tma store" if tma_store else "") + " (no exchange)",
-                       functools.partial(_stream_tma[(grid,)], xd, yd, y, n, m, n, rows, INNER_N=inner,
+                       functools.partial(_loop_tma[(grid,)], xd, yd, y, n, m, n, rows, INNER_N=inner,
                                          TMA_STORE=tma_store, **consts), cfg)
 
 
-def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package_only: bool,
-                    simple_only: bool) -> None:
+def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: frozenset[str]) -> None:
     """The backward's loop: x and dy read, dx written (floor 3·M·N·elem; the dweight partials and
     their reduction are not counted), against ``torch.add(x, dy, out=dx)``."""
     from torch_rmsnorm_op import kernels
@@ -296,26 +259,21 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, package
     table = backward_config(n, dtype)
     workspace = kernels.backward_workspace(m, n, x.device, dtype)
     record("package split backward", lambda: kernels.launch_backward(dy, x, w, rstd, dx, dw, workspace), str(table))
-    if package_only:
+    if not loops:
         return
     for split_mul in (1, 2):
         split, blk = table.split * split_mul, table.block_n // split_mul
         for per_sm, warps, stages in _configs(table):
             grid, rows = _grid(m, split, per_sm, sms)
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
-            partial = torch.empty(grid, blk, device="cuda")
+            partial = torch.empty(grid, blk, device="cuda")  # the dweight partials, one row per program
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
-            args = (x, dy, dx, w, rstd, partial, n, m, n, rows)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
-            for exchange in (True, False):
-                record("simple + exchange" if exchange else "simple (no exchange)",
-                       _with_zeroed(slots, functools.partial(_simple_bwd[(grid,)], x, dy, dx, w, rstd, partial, slots,
-                                                             n, m, n, rows, EXCHANGE=exchange, **consts)), cfg)
-            if simple_only:
-                continue
-            record("bwd loop (ptr, no exchange)", functools.partial(_stream_bwd[(grid,)], *args, **consts), cfg)
-            record("copy loop (ptr, x + dy)",
-                   functools.partial(_stream_bwd[(grid,)], *args, REDUCE=False, **consts), cfg)
+            for loop, mode in LOOP_MODES.items():
+                if loop in loops:
+                    record(BACKWARD_NAMES[loop], _with_zeroed(slots, functools.partial(
+                        _loop_bwd[(grid,)], x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **consts)),
+                        cfg)
 
 
 def main() -> None:
@@ -324,17 +282,21 @@ def main() -> None:
     parser.add_argument("--package-only", action="store_true",
                         help="time the ceilings and the package's split kernels only (e.g. with a variant applied)")
     parser.add_argument("--part", choices=("forward", "backward", "all"), default="all")
-    parser.add_argument("--simple-only", action="store_true", help="of the loops, only the simple ones")
+    parser.add_argument("--loops", default=",".join([*LOOP_MODES, "tma"]),
+                        help="the probe's loops to time, of %(default)s (tma: forward only)")
     args = parser.parse_args()
+    loops = frozenset() if args.package_only else frozenset(filter(None, args.loops.split(",")))
+    if not loops <= {*LOOP_MODES, "tma"}:
+        parser.error(f"--loops: unknown {sorted(loops - {*LOOP_MODES, 'tma'})}")
     sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     results: list = []
     if args.part in ("forward", "all"):
         for dtype, n in ((torch.bfloat16, 65536), (torch.bfloat16, 262144), (torch.float32, 65536)):
-            _probe_forward(dtype, n, sms, results, args.package_only, args.simple_only)
+            _probe_forward(dtype, n, sms, results, loops)
     if args.part in ("backward", "all"):
         for dtype, n in ((torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 262144),
                          (torch.float32, 65536)):
-            _probe_backward(dtype, n, sms, results, args.package_only, args.simple_only)
+            _probe_backward(dtype, n, sms, results, loops)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -56,3 +56,53 @@ def test_table_fits_in_registers(merge):
     for line in rows:
         regs, stack = map(int, re.search(r"(\d+) registers, +(\d+) B stack", line).groups())
         assert 0 < regs <= 255 and stack == 0, line
+
+
+def test_split_loop_probe_computes_what_it_says(device):
+    """``profiling/tma_probe.py``'s loops (NOTES.md, session 15) write what their rows are
+    labelled with, checked where they run: own-chunk partials (``OWN``), copies (``COPY``), TMA
+    loads and stores, and on CUDA the package's exchange (``EXCHANGE``: real RMSNorm results)."""
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import tma_probe as probe
+    finally:
+        sys.path.pop(0)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, n, blk, split = 7, 1024, 256, 4
+    grid, rows = probe._grid(m, split, 1, 3)
+    consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=2)
+    modes = [probe.OWN.value, probe.COPY.value] + ([probe.EXCHANGE.value] if device.type == "cuda" else [])
+    gen = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
+        x, dy = (torch.randn(m, n, generator=gen).to(device, dtype) for _ in range(2))
+        w = torch.randn(n, generator=gen).to(device, dtype)
+        rstd = torch.rand(m, generator=gen).to(device) + 0.5
+        y, dx = torch.zeros_like(x), torch.zeros_like(x)
+        partial = torch.zeros(grid, blk, device=device)
+        for mode in modes:
+            width = n if mode == probe.EXCHANGE.value else blk  # the row, or each program's own chunk
+            xc, u = x.float().view(m, -1, width), (dy.float() * w.float()).view(m, -1, width)
+            slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device=device)
+            probe._loop_fwd[(grid,)](x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **consts)
+            want = x.float() if mode == probe.COPY.value else xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
+            torch.testing.assert_close(y.float(), want.view(m, n), atol=tol, rtol=tol)
+            slots.zero_()
+            probe._loop_bwd[(grid,)](x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **consts)
+            r = rstd.view(m, 1, 1)
+            want = (x.float() + dy.float() if mode == probe.COPY.value
+                    else (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r)
+            torch.testing.assert_close(dx.float(), want.view(m, n), atol=tol * 10, rtol=tol)
+        if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
+            continue  # tensor descriptors need Hopper
+        inner = probe.INNER * 2 // x.element_size()
+        box = [1, blk // inner, inner]
+        descs = [TensorDescriptor.from_tensor(t.view(m, n // inner, inner), box) for t in (x, y)]
+        xc = x.float().view(m, -1, blk)
+        want = (xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)).view(m, n)
+        for tma_store in (False, True):
+            y.zero_()
+            probe._loop_tma[(grid,)](*descs, y, n, m, n, rows, INNER_N=inner, TMA_STORE=tma_store, **consts)
+            torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
