@@ -104,33 +104,68 @@ def _loop_tma(x_desc, y_desc, Y, stride, M, N, rows_per_group, BLOCK_N: tl.const
 
 
 @triton.jit
+def _bwd_row(x, dy, w, rstd, dot):
+    """A row chunk's dx and dweight term, from x and dy in fp32 and the row's mean of dy * w * x."""
+    u = dy * w
+    return (u - x * (rstd * rstd * dot)) * rstd, dy * x * rstd
+
+
+@triton.jit
 def _loop_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
-              SPLIT: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr):
+              SPLIT: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, AHEAD: tl.constexpr = False,
+              W_PER_ROW: tl.constexpr = False):
+    """``AHEAD`` (MODE OWN): the package's structure instead, row i held in registers while row
+    i + 1 is loaded and its partial formed; ``W_PER_ROW``: w re-read every row, as the package does."""
     chunk, group, step, offs = _program(BLOCK_N, SPLIT)
     w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for i in tl.range(0, rows_per_group, num_stages=STAGES):
-        row = group + i * step
-        mask = offs < tl.where(row < M, N, 0)
-        # fp32 even to copy: the interpreter adds bf16 wrongly
-        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
-        if MODE == COPY:
-            dx = x + dy
-        else:
-            rstd = tl.load(RSTD + row, mask=row < M, other=0.0)
-            u = dy * w
-            dot = _row_total(tl.sum(u * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE)
-            dx = (u - x * (rstd * rstd * dot)) * rstd
-            dw += dy * x * rstd
-        tl.store(DX + row.to(tl.int64) * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    if AHEAD:
+        x0 = tl.load(X + group.to(tl.int64) * stride + offs, mask=offs < tl.where(group < M, N, 0), other=0.0)
+        dy0 = tl.load(DY + group.to(tl.int64) * stride + offs, mask=offs < tl.where(group < M, N, 0), other=0.0)
+        dot0 = tl.sum(dy0.to(tl.float32) * w * x0.to(tl.float32), axis=0) / BLOCK_N
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
+            row = group + i * step
+            ahead = offs < tl.where((row + step < M) & (i + 1 < rows_per_group), N, 0)
+            x1 = tl.load(X + (row + step).to(tl.int64) * stride + offs, mask=ahead, other=0.0)
+            dy1 = tl.load(DY + (row + step).to(tl.int64) * stride + offs, mask=ahead, other=0.0)
+            if W_PER_ROW:
+                w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
+            dot1 = tl.sum(dy1.to(tl.float32) * w * x1.to(tl.float32), axis=0) / BLOCK_N
+            dx, dw_row = _bwd_row(x0.to(tl.float32), dy0.to(tl.float32), w,
+                                  tl.load(RSTD + row, mask=row < M, other=0.0), dot0)
+            dw += dw_row
+            tl.store(DX + row.to(tl.int64) * stride + offs, dx.to(DX.dtype.element_ty),
+                     mask=offs < tl.where(row < M, N, 0))
+            x0, dy0, dot0 = x1, dy1, dot1
+    else:
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
+            row = group + i * step
+            mask = offs < tl.where(row < M, N, 0)
+            # fp32 even to copy: the interpreter adds bf16 wrongly
+            x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row.to(tl.int64) * stride + offs, mask=mask, other=0.0).to(tl.float32)
+            if MODE == COPY:
+                dx = x + dy
+            else:
+                if W_PER_ROW:
+                    w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
+                dot = _row_total(tl.sum(dy * w * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE)
+                dx, dw_row = _bwd_row(x, dy, w, tl.load(RSTD + row, mask=row < M, other=0.0), dot)
+                dw += dw_row
+            tl.store(DX + row.to(tl.int64) * stride + offs, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PARTIAL + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), dw)
+
 
 # The probe's loops by name (``--loops``), their MODE, and the names their rows carry.
 LOOP_MODES = {"own": OWN.value, "copy": COPY.value, "exchange": EXCHANGE.value}
 FORWARD_NAMES = {"own": "ptr (no exchange)", "copy": "copy loop (ptr, no reduction)", "exchange": "simple + exchange"}
 BACKWARD_NAMES = {"own": "bwd loop (ptr, no exchange)", "copy": "copy loop (ptr, x + dy)",
                   "exchange": "simple + exchange"}
+# Backward only, MODE OWN: the package's loop structure piece by piece (``_loop_bwd``).
+BACKWARD_SHAPES = {"wrow": ("bwd loop, w per row", dict(W_PER_ROW=True)),
+                   "ahead": ("bwd loop, row ahead", dict(AHEAD=True)),
+                   "ahead_wrow": ("bwd loop, row ahead + w per row", dict(AHEAD=True, W_PER_ROW=True))}
+ALL_LOOPS = (*LOOP_MODES, "tma", *BACKWARD_SHAPES)
 
 
 def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
@@ -269,11 +304,14 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: 
             partial = torch.empty(grid, blk, device="cuda")  # the dweight partials, one row per program
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
+            args = (x, dy, dx, w, rstd, partial, slots, n, m, n, rows)
             for loop, mode in LOOP_MODES.items():
                 if loop in loops:
                     record(BACKWARD_NAMES[loop], _with_zeroed(slots, functools.partial(
-                        _loop_bwd[(grid,)], x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **consts)),
-                        cfg)
+                        _loop_bwd[(grid,)], *args, MODE=mode, **consts)), cfg)
+            for loop, (name, shape) in BACKWARD_SHAPES.items():
+                if loop in loops:
+                    record(name, functools.partial(_loop_bwd[(grid,)], *args, MODE=OWN.value, **shape, **consts), cfg)
 
 
 def main() -> None:
@@ -283,11 +321,12 @@ def main() -> None:
                         help="time the ceilings and the package's split kernels only (e.g. with a variant applied)")
     parser.add_argument("--part", choices=("forward", "backward", "all"), default="all")
     parser.add_argument("--loops", default=",".join([*LOOP_MODES, "tma"]),
-                        help="the probe's loops to time, of %(default)s (tma: forward only)")
+                        help=f"the probe's loops to time (default %(default)s), of {','.join(ALL_LOOPS)} "
+                             f"(tma: forward only; {','.join(BACKWARD_SHAPES)}: backward only)")
     args = parser.parse_args()
     loops = frozenset() if args.package_only else frozenset(filter(None, args.loops.split(",")))
-    if not loops <= {*LOOP_MODES, "tma"}:
-        parser.error(f"--loops: unknown {sorted(loops - {*LOOP_MODES, 'tma'})}")
+    if not loops <= set(ALL_LOOPS):
+        parser.error(f"--loops: unknown {sorted(loops - set(ALL_LOOPS))}")
     sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     results: list = []
     if args.part in ("forward", "all"):

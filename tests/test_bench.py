@@ -61,7 +61,8 @@ def test_table_fits_in_registers(merge):
 def test_split_loop_probe_computes_what_it_says(device):
     """``profiling/tma_probe.py``'s loops (NOTES.md, session 15) write what their rows are
     labelled with, checked where they run: own-chunk partials (``OWN``), copies (``COPY``), TMA
-    loads and stores, and on CUDA the package's exchange (``EXCHANGE``: real RMSNorm results)."""
+    loads and stores, the backward in the package's loop structure (``BACKWARD_SHAPES``), and on
+    CUDA the package's exchange (``EXCHANGE``: real RMSNorm results)."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
@@ -89,12 +90,16 @@ def test_split_loop_probe_computes_what_it_says(device):
             probe._loop_fwd[(grid,)](x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **consts)
             want = x.float() if mode == probe.COPY.value else xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
             torch.testing.assert_close(y.float(), want.view(m, n), atol=tol, rtol=tol)
-            slots.zero_()
-            probe._loop_bwd[(grid,)](x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **consts)
             r = rstd.view(m, 1, 1)
             want = (x.float() + dy.float() if mode == probe.COPY.value
                     else (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r)
-            torch.testing.assert_close(dx.float(), want.view(m, n), atol=tol * 10, rtol=tol)
+            shapes = [{}] + (list(dict(s) for _, s in probe.BACKWARD_SHAPES.values()) if mode == probe.OWN.value else [])
+            for shape in shapes:  # the package's loop structure, piece by piece: the same results
+                slots.zero_()
+                dx.zero_()
+                probe._loop_bwd[(grid,)](x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **shape,
+                                         **consts)
+                torch.testing.assert_close(dx.float(), want.view(m, n), atol=tol * 10, rtol=tol)
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
             continue  # tensor descriptors need Hopper
         inner = probe.INNER * 2 // x.element_size()
