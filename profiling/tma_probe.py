@@ -40,7 +40,7 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from torch_rmsnorm_op.kernels import _exchange  # noqa: E402
+from torch_rmsnorm_op.kernels import _exchange, _publish  # noqa: E402
 
 INNER = 64  # the descriptor's last box dimension, in elements
 
@@ -72,17 +72,44 @@ def _row_total(value, SLOTS, row, chunk, N, BLOCK_N: tl.constexpr, SPLIT: tl.con
 # rows i + 1 .. i + STAGES - 1 in flight. The package's loops instead hold row i in registers
 # while row i + 1's partial is published (profiling/NOTES.md, session 15).
 @triton.jit
+def _ahead_total(own, ahead, publish, SLOTS, row, chunk, step, N, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+                 MODE: tl.constexpr):
+    """Row-ahead form: publish the next row's partial ``ahead`` (if ``publish``), then return this
+    row's mean: of its own chunk (``own``), or of the whole row (EXCHANGE), as the package's loops do."""
+    if MODE == EXCHANGE:
+        return _exchange(ahead, publish, SLOTS, row, row + step, chunk, SPLIT, 0) / N
+    return own / BLOCK_N
+
+
+@triton.jit
 def _loop_fwd(X, Y, SLOTS, stride, M, N, eps, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-              STAGES: tl.constexpr, MODE: tl.constexpr):
+              STAGES: tl.constexpr, MODE: tl.constexpr, AHEAD: tl.constexpr = False):
+    """``AHEAD`` (MODE OWN or EXCHANGE): the package's structure instead, row i held in registers
+    while row i + 1 is loaded and its partial published."""
     chunk, group, step, offs = _program(BLOCK_N, SPLIT)
-    for i in tl.range(0, rows_per_group, num_stages=STAGES):
-        row = group + i * step
-        mask = offs < tl.where(row < M, N, 0)  # (the interpreter takes no scalar & block mask)
-        x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0)
-        if MODE != COPY:
-            x = x.to(tl.float32)
-            x = x * tl.rsqrt(_row_total(tl.sum(x * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE) + eps)
-        tl.store(Y + row.to(tl.int64) * stride + offs, x.to(Y.dtype.element_ty), mask=mask)
+    if AHEAD:
+        x0 = tl.load(X + group.to(tl.int64) * stride + offs, mask=offs < tl.where(group < M, N, 0), other=0.0)
+        own = tl.sum(x0.to(tl.float32) * x0.to(tl.float32), axis=0)
+        if MODE == EXCHANGE:
+            _publish(own, SLOTS + group * SPLIT, chunk, 0)
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
+            row = group + i * step
+            x1 = tl.load(X + (row + step).to(tl.int64) * stride + offs,
+                         mask=offs < tl.where((row + step < M) & (i + 1 < rows_per_group), N, 0), other=0.0)
+            ahead = tl.sum(x1.to(tl.float32) * x1.to(tl.float32), axis=0)
+            total = _ahead_total(own, ahead, i + 1 < rows_per_group, SLOTS, row, chunk, step, N, BLOCK_N, SPLIT, MODE)
+            tl.store(Y + row.to(tl.int64) * stride + offs, (x0.to(tl.float32) * tl.rsqrt(total + eps)).to(
+                Y.dtype.element_ty), mask=offs < tl.where(row < M, N, 0))
+            x0, own = x1, ahead
+    else:
+        for i in tl.range(0, rows_per_group, num_stages=STAGES):
+            row = group + i * step
+            mask = offs < tl.where(row < M, N, 0)  # (the interpreter takes no scalar & block mask)
+            x = tl.load(X + row.to(tl.int64) * stride + offs, mask=mask, other=0.0)
+            if MODE != COPY:
+                x = x.to(tl.float32)
+                x = x * tl.rsqrt(_row_total(tl.sum(x * x, axis=0), SLOTS, row, chunk, N, BLOCK_N, SPLIT, MODE) + eps)
+            tl.store(Y + row.to(tl.int64) * stride + offs, x.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -114,15 +141,18 @@ def _bwd_row(x, dy, w, rstd, dot):
 def _loop_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_group, BLOCK_N: tl.constexpr,
               SPLIT: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, AHEAD: tl.constexpr = False,
               W_PER_ROW: tl.constexpr = False):
-    """``AHEAD`` (MODE OWN): the package's structure instead, row i held in registers while row
-    i + 1 is loaded and its partial formed; ``W_PER_ROW``: w re-read every row, as the package does."""
+    """``AHEAD`` (MODE OWN or EXCHANGE): the package's structure instead, row i held in registers
+    while row i + 1 is loaded and its partial published; ``W_PER_ROW``: w re-read every row, as the
+    package does."""
     chunk, group, step, offs = _program(BLOCK_N, SPLIT)
     w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     if AHEAD:
         x0 = tl.load(X + group.to(tl.int64) * stride + offs, mask=offs < tl.where(group < M, N, 0), other=0.0)
         dy0 = tl.load(DY + group.to(tl.int64) * stride + offs, mask=offs < tl.where(group < M, N, 0), other=0.0)
-        dot0 = tl.sum(dy0.to(tl.float32) * w * x0.to(tl.float32), axis=0) / BLOCK_N
+        own = tl.sum(dy0.to(tl.float32) * w * x0.to(tl.float32), axis=0)
+        if MODE == EXCHANGE:
+            _publish(own, SLOTS + group * SPLIT, chunk, 0)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = group + i * step
             ahead = offs < tl.where((row + step < M) & (i + 1 < rows_per_group), N, 0)
@@ -130,13 +160,14 @@ def _loop_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_grou
             dy1 = tl.load(DY + (row + step).to(tl.int64) * stride + offs, mask=ahead, other=0.0)
             if W_PER_ROW:
                 w = tl.load(W + offs, mask=offs < N, other=0.0).to(tl.float32)
-            dot1 = tl.sum(dy1.to(tl.float32) * w * x1.to(tl.float32), axis=0) / BLOCK_N
+            ahead = tl.sum(dy1.to(tl.float32) * w * x1.to(tl.float32), axis=0)
+            dot = _ahead_total(own, ahead, i + 1 < rows_per_group, SLOTS, row, chunk, step, N, BLOCK_N, SPLIT, MODE)
             dx, dw_row = _bwd_row(x0.to(tl.float32), dy0.to(tl.float32), w,
-                                  tl.load(RSTD + row, mask=row < M, other=0.0), dot0)
+                                  tl.load(RSTD + row, mask=row < M, other=0.0), dot)
             dw += dw_row
             tl.store(DX + row.to(tl.int64) * stride + offs, dx.to(DX.dtype.element_ty),
                      mask=offs < tl.where(row < M, N, 0))
-            x0, dy0, dot0 = x1, dy1, dot1
+            x0, dy0, own = x1, dy1, ahead
     else:
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = group + i * step
@@ -156,17 +187,20 @@ def _loop_bwd(X, DY, DX, W, RSTD, DW_PARTIAL, SLOTS, stride, M, N, rows_per_grou
     tl.store(DW_PARTIAL + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), dw)
 
 
-# The probe's loops by name (``--loops``), their MODE, and the names their rows carry.
-LOOP_MODES = {"own": OWN.value, "copy": COPY.value, "exchange": EXCHANGE.value}
-FORWARD_NAMES = {"own": "ptr (no exchange)", "copy": "copy loop (ptr, no reduction)", "exchange": "simple + exchange"}
-BACKWARD_NAMES = {"own": "bwd loop (ptr, no exchange)", "copy": "copy loop (ptr, x + dy)",
-                  "exchange": "simple + exchange"}
-# Backward only, MODE OWN: the package's loop structure piece by piece (``_loop_bwd``).
-BACKWARD_SHAPES = {"wrow": ("bwd loop, w per row", dict(W_PER_ROW=True)),
-                   "ahead": ("bwd loop, row ahead", dict(AHEAD=True)),
-                   "ahead_wrow": ("bwd loop, row ahead + w per row", dict(AHEAD=True, W_PER_ROW=True))}
-ALL_LOOPS = (*LOOP_MODES, "tma", *BACKWARD_SHAPES)
-
+# The probe's loops by name (``--loops``): (forward row name or None, backward row name or
+# None, MODE, further constexprs). Rows of the first three kept the names of session 15's runs.
+LOOPS = {
+    "own": ("ptr (no exchange)", "bwd loop (ptr, no exchange)", OWN.value, {}),
+    "copy": ("copy loop (ptr, no reduction)", "copy loop (ptr, x + dy)", COPY.value, {}),
+    "exchange": ("simple + exchange", "simple + exchange", EXCHANGE.value, {}),
+    "wrow": (None, "bwd loop, w per row", OWN.value, dict(W_PER_ROW=True)),
+    "ahead": ("row ahead (no exchange)", "bwd loop, row ahead", OWN.value, dict(AHEAD=True)),
+    "ahead_wrow": (None, "bwd loop, row ahead + w per row", OWN.value, dict(AHEAD=True, W_PER_ROW=True)),
+    "ahead_exchange": ("row ahead + exchange", "row ahead + exchange", EXCHANGE.value, dict(AHEAD=True)),
+    "ahead_wrow_exchange": (None, "row ahead + w per row + exchange", EXCHANGE.value,
+                            dict(AHEAD=True, W_PER_ROW=True)),
+}
+ALL_LOOPS = (*LOOPS, "tma")
 
 def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
     groups = max(1, per_sm * sms // split)
@@ -230,9 +264,10 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: f
     floor = 2 * m * n * elem
 
     def check(name: str, cfg: dict) -> float:
-        if name.startswith("copy loop"):
+        mode = LOOPS[cfg["loop"]][2] if "loop" in cfg else OWN.value  # (TMA loops: own chunks)
+        if mode == COPY.value:
             return (y - x).abs().max().item()
-        if name.startswith("simple + exchange"):  # the real thing
+        if mode == EXCHANGE.value:  # the real thing
             return (y.float() - torch.nn.functional.rms_norm(x.float(), (n,), eps=1e-6)).abs().max().item()
         xc = x.view(m, n // cfg["block_n"], cfg["block_n"]).float()  # each chunk scaled by its own rms
         ref = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -255,10 +290,11 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: f
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
-            for loop, mode in LOOP_MODES.items():
-                if loop in loops:
-                    record(FORWARD_NAMES[loop], _with_zeroed(slots, functools.partial(
-                        _loop_fwd[(grid,)], x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **consts)), cfg)
+            for loop, (name, _, mode, more) in LOOPS.items():
+                if loop in loops and name is not None:
+                    record(name, _with_zeroed(slots, functools.partial(
+                        _loop_fwd[(grid,)], x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **more, **consts)),
+                        dict(cfg, loop=loop))
             for tma_store in (False, True) if "tma" in loops else ():
                 record("tma load" + (" + tma store" if tma_store else "") + " (no exchange)",
                        functools.partial(_loop_tma[(grid,)], xd, yd, y, n, m, n, rows, INNER_N=inner,
@@ -280,9 +316,10 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: 
     floor = 3 * m * n * elem
 
     def check(name: str, cfg: dict) -> float:
-        if name.startswith("copy loop"):
+        mode = LOOPS[cfg["loop"]][2]
+        if mode == COPY.value:
             return (dx.float() - (x.float() + dy.float())).abs().max().item()
-        shape = (m, 1, n) if name.startswith("simple + exchange") else (m, n // cfg["block_n"], cfg["block_n"])
+        shape = (m, 1, n) if mode == EXCHANGE.value else (m, n // cfg["block_n"], cfg["block_n"])
         xc, u = x.view(shape).float(), dy.view(shape).float() * w.view(shape[1:]).float()
         r = rstd.view(m, 1, 1)
         ref = (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r
@@ -305,13 +342,10 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: 
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
             args = (x, dy, dx, w, rstd, partial, slots, n, m, n, rows)
-            for loop, mode in LOOP_MODES.items():
-                if loop in loops:
-                    record(BACKWARD_NAMES[loop], _with_zeroed(slots, functools.partial(
-                        _loop_bwd[(grid,)], *args, MODE=mode, **consts)), cfg)
-            for loop, (name, shape) in BACKWARD_SHAPES.items():
-                if loop in loops:
-                    record(name, functools.partial(_loop_bwd[(grid,)], *args, MODE=OWN.value, **shape, **consts), cfg)
+            for loop, (_, name, mode, more) in LOOPS.items():
+                if loop in loops and name is not None:
+                    record(name, _with_zeroed(slots, functools.partial(
+                        _loop_bwd[(grid,)], *args, MODE=mode, **more, **consts)), dict(cfg, loop=loop))
 
 
 def main() -> None:
@@ -320,9 +354,9 @@ def main() -> None:
     parser.add_argument("--package-only", action="store_true",
                         help="time the ceilings and the package's split kernels only (e.g. with a variant applied)")
     parser.add_argument("--part", choices=("forward", "backward", "all"), default="all")
-    parser.add_argument("--loops", default=",".join([*LOOP_MODES, "tma"]),
+    parser.add_argument("--loops", default="own,copy,exchange,tma",
                         help=f"the probe's loops to time (default %(default)s), of {','.join(ALL_LOOPS)} "
-                             f"(tma: forward only; {','.join(BACKWARD_SHAPES)}: backward only)")
+                             "(tma: forward only; wrow, ahead_wrow, ahead_wrow_exchange: backward only)")
     args = parser.parse_args()
     loops = frozenset() if args.package_only else frozenset(filter(None, args.loops.split(",")))
     if not loops <= set(ALL_LOOPS):

@@ -1,5 +1,6 @@
 """The benchmark's machinery at tiny sizes (CPU smoke; real numbers come from the GPU)."""
 
+import functools
 import json
 import os
 import re
@@ -60,9 +61,9 @@ def test_table_fits_in_registers(merge):
 
 def test_split_loop_probe_computes_what_it_says(device):
     """``profiling/tma_probe.py``'s loops (NOTES.md, session 15) write what their rows are
-    labelled with, checked where they run: own-chunk partials (``OWN``), copies (``COPY``), TMA
-    loads and stores, the backward in the package's loop structure (``BACKWARD_SHAPES``), and on
-    CUDA the package's exchange (``EXCHANGE``: real RMSNorm results)."""
+    labelled with, checked where they run: own-chunk partials (``OWN``), copies (``COPY``), the
+    package's row-ahead structure and w read per row, TMA loads and stores, and on CUDA the
+    package's exchange (``EXCHANGE``: real RMSNorm results)."""
     import torch
 
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
@@ -75,7 +76,7 @@ def test_split_loop_probe_computes_what_it_says(device):
     m, n, blk, split = 7, 1024, 256, 4
     grid, rows = probe._grid(m, split, 1, 3)
     consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=2)
-    modes = [probe.OWN.value, probe.COPY.value] + ([probe.EXCHANGE.value] if device.type == "cuda" else [])
+    loops = [spec for spec in probe.LOOPS.values() if device.type == "cuda" or spec[2] != probe.EXCHANGE.value]
     gen = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 0.1)):
         x, dy = (torch.randn(m, n, generator=gen).to(device, dtype) for _ in range(2))
@@ -83,23 +84,27 @@ def test_split_loop_probe_computes_what_it_says(device):
         rstd = torch.rand(m, generator=gen).to(device) + 0.5
         y, dx = torch.zeros_like(x), torch.zeros_like(x)
         partial = torch.zeros(grid, blk, device=device)
-        for mode in modes:
+        slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device=device)
+        r = rstd.view(m, 1, 1)
+        for forward, backward, mode, more in loops:
             width = n if mode == probe.EXCHANGE.value else blk  # the row, or each program's own chunk
             xc, u = x.float().view(m, -1, width), (dy.float() * w.float()).view(m, -1, width)
-            slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device=device)
-            probe._loop_fwd[(grid,)](x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **consts)
-            want = x.float() if mode == probe.COPY.value else xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
-            torch.testing.assert_close(y.float(), want.view(m, n), atol=tol, rtol=tol)
-            r = rstd.view(m, 1, 1)
-            want = (x.float() + dy.float() if mode == probe.COPY.value
-                    else (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r)
-            shapes = [{}] + (list(dict(s) for _, s in probe.BACKWARD_SHAPES.values()) if mode == probe.OWN.value else [])
-            for shape in shapes:  # the package's loop structure, piece by piece: the same results
+            if forward is not None:
+                slots.zero_()
+                y.zero_()
+                probe._loop_fwd[(grid,)](x, y, slots, n, m, n, 1e-6, rows, MODE=mode, **more, **consts)
+                want = x.float() if mode == probe.COPY.value else xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + 1e-6)
+                torch.testing.assert_close(y.float(), want.view(m, n), atol=tol, rtol=tol,
+                                           msg=functools.partial("{}: {}".format, forward))
+            if backward is not None:
                 slots.zero_()
                 dx.zero_()
-                probe._loop_bwd[(grid,)](x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **shape,
+                probe._loop_bwd[(grid,)](x, dy, dx, w, rstd, partial, slots, n, m, n, rows, MODE=mode, **more,
                                          **consts)
-                torch.testing.assert_close(dx.float(), want.view(m, n), atol=tol * 10, rtol=tol)
+                want = (x.float() + dy.float() if mode == probe.COPY.value
+                        else (u - xc * (r * r * (u * xc).mean(-1, keepdim=True))) * r)
+                torch.testing.assert_close(dx.float(), want.view(m, n), atol=tol * 10, rtol=tol,
+                                           msg=functools.partial("{}: {}".format, backward))
         if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
             continue  # tensor descriptors need Hopper
         inner = probe.INNER * 2 // x.element_size()
