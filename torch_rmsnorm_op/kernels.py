@@ -400,8 +400,8 @@ def _rms_norm_bwd(
         # rows), so all SPLIT programs of a group still meet at each one. At its row i a
         # program publishes its partial of the group's next row, then waits for row i's total
         # (_exchange); Triton's pipeliner loads rows STAGES - 1 ahead into shared memory. x and
-        # dy stay in their own dtype until used, and w is re-read from cache, to leave registers
-        # for them.
+        # dy stay in their own dtype until used, to leave registers for them; w is held across
+        # rows (re-reading it every row cost 1-2 points: profiling/NOTES.md, session 15).
         # Offsets within the chunk are 32-bit, from pointers moved to the chunk: 64-bit ones took
         # more registers (Triton 3.6, session 5's form with three rows in registers: 220 vs 210;
         # the fp32 forward's spilled, 112 B).
@@ -413,14 +413,13 @@ def _rms_norm_bwd(
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         x0 = _load_chunk(X, stride_x, row_start, 0, step, offs, width, M, rows_per_group)
         dy0 = _load_chunk(DY, stride_dy, row_start, 0, step, offs, width, M, rows_per_group)
-        _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
-                 chunk, PHASE)
+        w = _weight_chunk(W, offs, width, HAS_WEIGHT)
+        _publish(_dot(x0, dy0, w, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i * step
             x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
             dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, step, offs, width, M, rows_per_group)
             # published within the group's rows only (past them: another group's row or no slot)
-            w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
             dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, row + step, chunk,
                             SPLIT, PHASE)
             if PHASE != 1:

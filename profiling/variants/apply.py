@@ -7,7 +7,8 @@ barrier's counter with volatile loads (``volatile_poll``, session 2) at 9ab62dd,
 words replaced the counter; the looped forward without masks (``unmasked_looped``,
 ``unmasked_looped2``, session 9) at 7cefc12, since then the kernel's ``UNMASKED``; split
 groups cut to whole blocks of rows (``block_row_groups``, config.py, session 11) at 499a133,
-reverted with the code it undid.
+reverted with the code it undid; the split backward's weight held across rows
+(``split_bwd_weight_held``, session 15) at 2a761e7, adopted in the kernel since.
 """
 
 import pathlib
@@ -19,9 +20,9 @@ VARIANTS = {
     # Streaming hint on the single-pass forward's x load (x is read once; Inductor's kernels
     # mark such loads).
     "evict_first_fwd": (
-        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=other).to(tl.float32)
         rstd = _rstd(""",
-        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+        """        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=other,
                     eviction_policy="evict_first").to(tl.float32)
         rstd = _rstd(""",
     ),
@@ -154,14 +155,13 @@ def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr, PHASE: tl.constexpr)
         ('''        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         x0 = _load_chunk(X, stride_x, row_start, 0, step, offs, width, M, rows_per_group)
         dy0 = _load_chunk(DY, stride_dy, row_start, 0, step, offs, width, M, rows_per_group)
-        _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
-                 chunk, PHASE)
+        w = _weight_chunk(W, offs, width, HAS_WEIGHT)
+        _publish(_dot(x0, dy0, w, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)
         for i in tl.range(0, rows_per_group, num_stages=STAGES):
             row = row_start + i * step
             x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
             dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, step, offs, width, M, rows_per_group)
             # published within the group's rows only (past them: another group's row or no slot)
-            w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
             dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, row + step, chunk,
                             SPLIT, PHASE)
             if PHASE != 1:
@@ -185,8 +185,8 @@ def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr, PHASE: tl.constexpr)
         x0 = _load_chunk(X, stride_x, row_start, 0, step, offs, width, M, rows_per_group)
         dy0 = _load_chunk(DY, stride_dy, row_start, 0, step, offs, width, M, rows_per_group)
         p = _f32(x0, PHASE) * _f32(dy0, PHASE)
-        _publish(_dot(p, _weight_chunk(W, offs, width, HAS_WEIGHT, PHASE), HAS_WEIGHT), SLOTS + row_start * SPLIT,
-                 chunk, PHASE)
+        w = _weight_chunk(W, offs, width, HAS_WEIGHT, PHASE)
+        _publish(_dot(p, w, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)
         rstd0 = tl.load(RSTD + row_start, mask=row_start < M, other=0.0)
         if HAS_WEIGHT:
             dw_acc += p * rstd0
@@ -194,7 +194,6 @@ def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr, PHASE: tl.constexpr)
             row = row_start + i * step
             x1 = _load_chunk(X, stride_x, row_start, i + 1, step, offs, width, M, rows_per_group)
             dy1 = _load_chunk(DY, stride_dy, row_start, i + 1, step, offs, width, M, rows_per_group)
-            w = _weight_chunk(W, offs, width, HAS_WEIGHT, PHASE)  # each row, from cache: across rows, registers
             p = _f32(x1, PHASE) * _f32(dy1, PHASE)
             rstd1 = tl.load(RSTD + row + step, mask=(row + step < M) & (i + 1 < rows_per_group), other=0.0)
             if PHASE != 1 and HAS_WEIGHT:
@@ -211,18 +210,6 @@ def _weight_chunk(W, offs, width, HAS_WEIGHT: tl.constexpr, PHASE: tl.constexpr)
                          mask=offs < tl.where(row < M, width, 0))
             x0, dy0, rstd0 = x1, dy1, rstd1
 '''),
-    ],
-    # The split backward's weight chunk held in registers across rows, where the package re-reads
-    # it from cache every row (session 6, to leave registers for x and dy). Session 15's probe:
-    # +1.2 to +2.8 points of the bf16 backward alone at the table's configurations.
-    "split_bwd_weight_held": [
-        ("""        _publish(_dot(x0, dy0, _weight_chunk(W, offs, width, HAS_WEIGHT), HAS_WEIGHT), SLOTS + row_start * SPLIT,
-                 chunk, PHASE)""",  # noqa: E501 (the kernel's line as it is)
-         """        w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # held across rows
-        _publish(_dot(x0, dy0, w, HAS_WEIGHT), SLOTS + row_start * SPLIT, chunk, PHASE)"""),
-        ("""            w = _weight_chunk(W, offs, width, HAS_WEIGHT)  # each row, from cache: across rows, registers
-            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT),""",
-         """            dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT),"""),
     ],
 }
 
