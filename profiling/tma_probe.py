@@ -15,13 +15,17 @@ configurations around the table's rung (profiling/NOTES.md, session 15):
 - ``tma`` (forward only): ``own`` with x's chunks loaded through a host tensor descriptor
   (Hopper's bulk tensor copies; x viewed as [M, N / 64, 64], a box dimension being at most
   256), y stored by pointers or through a descriptor too;
+- the package's own structure, piece by piece: ``ahead`` (row i held in registers while row
+  i + 1 is loaded and its partial formed), ``ahead_exchange`` (that, with the exchange: the
+  package's algorithm), and for the backward ``wrow``, ``ahead_wrow``, ``ahead_wrow_exchange``
+  (the weight re-read every row, as the package did until session 15);
 
 beside ``y.copy_(x)`` (forward; backward: ``torch.add(x, dy, out=dx)``, floor 3·M·N·elem) and the
 package's own split kernels, on 256 MiB tensors. GPU time: ``triton.testing.do_bench``
 median; every loop's output is checked against what it claims to compute. Prints a line per
 run and writes them to ``--out`` as JSON.
 
-    python profiling/tma_probe.py --out probe.json [--part forward|backward] [--loops own,copy,exchange,tma]
+    python profiling/tma_probe.py --out probe.json [--part forward|backward] [--loops own,copy,exchange,tma,...]
     python profiling/tma_probe.py --package-only   # e.g. after profiling/variants/apply.py no_exchange
 """
 
@@ -67,10 +71,6 @@ def _row_total(value, SLOTS, row, chunk, N, BLOCK_N: tl.constexpr, SPLIT: tl.con
     return value / BLOCK_N
 
 
-# The split loops in their simplest form: at row i a program reads row i, forms its partial
-# and finishes the row; nothing is held from one row to the next, and Triton's pipeliner has
-# rows i + 1 .. i + STAGES - 1 in flight. The package's loops instead hold row i in registers
-# while row i + 1's partial is published (profiling/NOTES.md, session 15).
 @triton.jit
 def _ahead_total(own, ahead, publish, SLOTS, row, chunk, step, N, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
                  MODE: tl.constexpr):
@@ -81,6 +81,10 @@ def _ahead_total(own, ahead, publish, SLOTS, row, chunk, step, N, BLOCK_N: tl.co
     return own / BLOCK_N
 
 
+# The split loops in their simplest form: at row i a program reads row i, forms its partial
+# and finishes the row; nothing is held from one row to the next, and Triton's pipeliner has
+# rows i + 1 .. i + STAGES - 1 in flight. The package's loops instead hold row i in registers
+# while row i + 1's partial is published (profiling/NOTES.md, session 15).
 @triton.jit
 def _loop_fwd(X, Y, SLOTS, stride, M, N, eps, rows_per_group, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
               STAGES: tl.constexpr, MODE: tl.constexpr, AHEAD: tl.constexpr = False):
