@@ -206,9 +206,16 @@ LOOPS = {
 }
 ALL_LOOPS = (*LOOPS, "tma")
 
-def _grid(m: int, split: int, per_sm: int, sms: int) -> tuple[int, int]:
-    groups = max(1, per_sm * sms // split)
-    return groups * split, triton.cdiv(m, groups)
+
+def _grid(m: int, n: int, device: torch.device, split: int, per_sm: int) -> tuple[int, int]:
+    """(programs, rows per group) of the package's own split grid for these programs
+    (``config.row_groups``). Runs a-h of session 15 filled the grid instead (per_sm * SMs // split
+    groups, session 11's variant): their numbers are that probe's, at the commits they name."""
+    from torch_rmsnorm_op.config import KernelConfig, row_groups
+
+    groups, rows = row_groups(m, n, device, KernelConfig(block_n=n // split, rows=1, num_warps=4, split=split,
+                                                         programs_per_sm=per_sm))
+    return groups * split, rows
 
 
 def _with_zeroed(slots: Tensor, launch):
@@ -255,7 +262,7 @@ def _configs(table) -> tuple:
             (8, 4, 2))
 
 
-def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: frozenset[str]) -> None:
+def _probe_forward(dtype: torch.dtype, n: int, results: list, loops: frozenset[str]) -> None:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from torch_rmsnorm_op import kernels
@@ -290,7 +297,7 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: f
         xd = TensorDescriptor.from_tensor(x.view(m, n // inner, inner), box)
         yd = TensorDescriptor.from_tensor(y.view(m, n // inner, inner), box)
         for per_sm, warps, stages in _configs(table)[1:]:
-            grid, rows = _grid(m, split, per_sm, sms)
+            grid, rows = _grid(m, n, x.device, split, per_sm)
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
             slots = torch.zeros(grid // split * rows, split, dtype=torch.int64, device="cuda")
@@ -305,7 +312,7 @@ def _probe_forward(dtype: torch.dtype, n: int, sms: int, results: list, loops: f
                                          TMA_STORE=tma_store, **consts), cfg)
 
 
-def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: frozenset[str]) -> None:
+def _probe_backward(dtype: torch.dtype, n: int, results: list, loops: frozenset[str]) -> None:
     """The backward's loop: x and dy read, dx written (floor 3·M·N·elem; the dweight partials and
     their reduction are not counted), against ``torch.add(x, dy, out=dx)``."""
     from torch_rmsnorm_op import kernels
@@ -340,7 +347,7 @@ def _probe_backward(dtype: torch.dtype, n: int, sms: int, results: list, loops: 
     for split_mul in (1, 2):
         split, blk = table.split * split_mul, table.block_n // split_mul
         for per_sm, warps, stages in _configs(table):
-            grid, rows = _grid(m, split, per_sm, sms)
+            grid, rows = _grid(m, n, x.device, split, per_sm)
             cfg = dict(block_n=blk, split=split, per_sm=per_sm, warps=warps, stages=stages)
             partial = torch.empty(grid, blk, device="cuda")  # the dweight partials, one row per program
             consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=stages, num_warps=warps)
@@ -365,15 +372,14 @@ def main() -> None:
     loops = frozenset() if args.package_only else frozenset(filter(None, args.loops.split(",")))
     if not loops <= set(ALL_LOOPS):
         parser.error(f"--loops: unknown {sorted(loops - set(ALL_LOOPS))}")
-    sms = torch.cuda.get_device_properties("cuda").multi_processor_count
     results: list = []
     if args.part in ("forward", "all"):
         for dtype, n in ((torch.bfloat16, 65536), (torch.bfloat16, 262144), (torch.float32, 65536)):
-            _probe_forward(dtype, n, sms, results, loops)
+            _probe_forward(dtype, n, results, loops)
     if args.part in ("backward", "all"):
         for dtype, n in ((torch.bfloat16, 32768), (torch.bfloat16, 65536), (torch.bfloat16, 262144),
                          (torch.float32, 65536)):
-            _probe_backward(dtype, n, sms, results, loops)
+            _probe_backward(dtype, n, results, loops)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -74,7 +74,7 @@ def test_split_loop_probe_computes_what_it_says(device):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, n, blk, split = 7, 1024, 256, 4
-    grid, rows = probe._grid(m, split, 1, 3)
+    grid, rows = probe._grid(m, n, device, split, 2)  # two interleaved groups, a phantom row
     consts = dict(BLOCK_N=blk, SPLIT=split, STAGES=2)
     loops = [spec for spec in probe.LOOPS.values() if device.type == "cuda" or spec[2] != probe.EXCHANGE.value]
     gen = torch.Generator().manual_seed(0)
