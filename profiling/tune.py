@@ -226,10 +226,13 @@ def main():
         ),
         help="comma-separated pass:dtype:N (pass fwd or bwd)",
     )
-    p.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
-    p.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
-    p.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
-    p.add_argument("--override", default="", help="only the table's config and it with these fields (mask_free=True)")
+    # One candidate set at a time: given together, all but one would be dropped without a word.
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
+    which.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
+    which.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
+    which.add_argument("--override", default="",
+                       help="only the table's config and it with these fields (mask_free=True)")
     p.add_argument("--split-only", action="store_true", help="only split-mode candidates")
     p.add_argument("--tag", default="tune", help="output file stem")
     p.add_argument("--timing", choices=("do_bench", "bench"), default="do_bench",

@@ -37,6 +37,15 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
                 assert want <= {name.split("(")[0] for name in kernels}, row
 
 
+
+def test_tune_refuses_two_candidate_sets():
+    """``--table`` with ``--override`` once timed the table's config alone (session 16): the
+    candidate sets exclude each other, and saying two is an error before any GPU work."""
+    out = subprocess.run([sys.executable, "profiling/tune.py", "--table", "--override", "block_n=4096"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "not allowed with argument" in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_table_fits_in_registers(merge):
     """``profiling/resource_usage.py`` compiles the table's configs for the H200 without a GPU:
