@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch_rmsnorm_op as T  # noqa: E402
-from torch_rmsnorm_op.toy_models import TinyLlama  # noqa: E402
+from torch_rmsnorm_op.tools.toy_models import TinyLlama  # noqa: E402
 
 
 def main() -> None:

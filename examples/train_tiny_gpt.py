@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first kernel launch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from torch_rmsnorm_op.training import train_tiny_gpt  # noqa: E402
+from torch_rmsnorm_op.tools.training import train_tiny_gpt  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_rmsnorm_op import kernels  # noqa: E402
-from torch_rmsnorm_op.benchmark import BANDWIDTH_BYTES, copy_ceiling, gpu_us  # noqa: E402
+from torch_rmsnorm_op.tools.benchmark import BANDWIDTH_BYTES, copy_ceiling, gpu_us  # noqa: E402
 
 SHAPES = [(256, torch.bfloat16), (8192, torch.bfloat16), (32768, torch.bfloat16), (65536, torch.bfloat16),
           (262144, torch.bfloat16), (65536, torch.float32)]

@@ -17,7 +17,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torch_rmsnorm_op.benchmark import BANDWIDTH_BYTES, implementations  # noqa: E402
+from torch_rmsnorm_op.tools.benchmark import BANDWIDTH_BYTES, implementations  # noqa: E402
 
 
 def main() -> None:

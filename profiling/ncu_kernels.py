@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torch_rmsnorm_op.benchmark import BANDWIDTH_BYTES, implementations  # noqa: E402
+from torch_rmsnorm_op.tools.benchmark import BANDWIDTH_BYTES, implementations  # noqa: E402
 
 
 def steps(pass_name: str, n: int, dtype: torch.dtype):

@@ -31,7 +31,8 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torch_rmsnorm_op import benchmark, kernels, reference  # noqa: E402
+from torch_rmsnorm_op import kernels, reference
+from torch_rmsnorm_op.tools import benchmark  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
 
 BYTES = 256 * 2**20  # x alone, as in the benchmark

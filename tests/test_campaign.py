@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from torch_rmsnorm_op import campaign
+from torch_rmsnorm_op.tools import campaign
 
 CASES = campaign.cases(large_n=campaign.LARGE_N_GPU if torch.cuda.is_available() else campaign.LARGE_N_CPU)
 

@@ -18,7 +18,7 @@ BATCH = 4  # global batch, split evenly over the ranks
 
 def _model():
     import torch_rmsnorm_op as T
-    from torch_rmsnorm_op.toy_models import TinyLlama
+    from torch_rmsnorm_op.tools.toy_models import TinyLlama
 
     torch.manual_seed(0)
     model = TinyLlama(vocab=64, dim=32, depth=1, heads=2)

@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op.toy_models import TinyLlama
+from torch_rmsnorm_op.tools.toy_models import TinyLlama
 
 
 def _models(device, seed=0):

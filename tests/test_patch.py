@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm, TinyLlama
+from torch_rmsnorm_op.tools.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm, TinyLlama
 
 
 class Qwen2RMSNorm(LlamaStyleRMSNorm):

@@ -11,7 +11,7 @@ import torch
 
 
 def _check(args: argparse.Namespace) -> int:
-    from torch_rmsnorm_op import campaign
+    from torch_rmsnorm_op.tools import campaign
 
     device, description = campaign.best_device()
     dtypes = tuple(getattr(torch, d) for d in args.dtype) if args.dtype else campaign.DTYPES
@@ -47,7 +47,7 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from torch_rmsnorm_op.demo import run_demo
+    from torch_rmsnorm_op.tools.demo import run_demo
 
     text = run_demo(args.logdir)
     print(text)
@@ -57,7 +57,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from torch_rmsnorm_op.benchmark import run
+    from torch_rmsnorm_op.tools.benchmark import run
 
     stem = run(args.out, args.iters, args.repeats, args.quick, args.smoke)
     print(open(stem + ".md").read())
@@ -66,7 +66,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _train_integration(args: argparse.Namespace) -> int:
-    from torch_rmsnorm_op.training import train_integration
+    from torch_rmsnorm_op.tools.training import train_integration
 
     result = train_integration(steps=args.steps, out_dir=args.out)
     ok = (result["kernel_forwards"] == args.steps and result["kernel_backwards"] == args.steps

@@ -165,7 +165,7 @@ def train_tiny_gpt(steps: int, out_dir: str, resume: bool = False, backend: str 
     For bit-exact resume it switches the process to deterministic algorithms
     (``torch.use_deterministic_algorithms(True, warn_only=True)``) and keeps that setting.
     """
-    from torch_rmsnorm_op.toy_models import TinyLlama
+    from torch_rmsnorm_op.tools.toy_models import TinyLlama
 
     device = _device()
     # Bit-exact resume needs run-to-run determinism everywhere, not only in our kernels:

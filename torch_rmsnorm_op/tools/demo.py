@@ -45,8 +45,8 @@ CPU_SHAPE = DemoShape(vocab=128, dim=64, depth=1, heads=4, batch=2, seq=8, dtype
 def run_demo(logdir: str = "runs", device: str | None = None, shape: DemoShape | None = None) -> str:
     """Run the demo; returns the summary's Markdown (also printed by the CLI)."""
     import torch_rmsnorm_op as T
-    from torch_rmsnorm_op.toy_models import TinyLlama
-    from torch_rmsnorm_op.trace_summary import write_summary
+    from torch_rmsnorm_op.tools.toy_models import TinyLlama
+    from torch_rmsnorm_op.tools.trace_summary import write_summary
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     shape = shape or (GPU_SHAPE if device == "cuda" else CPU_SHAPE)
@@ -105,7 +105,7 @@ def run_demo(logdir: str = "runs", device: str | None = None, shape: DemoShape |
         note += (" **CPU run through the Triton interpreter: these are not GPU timings**, and Inductor's "
                  "CPU code has no per-kernel events, so only our ops are identified.")
     text = write_summary(logdir, list(VARIANTS), norm_bytes, note)
-    from torch_rmsnorm_op.trace_summary import summarize_run
+    from torch_rmsnorm_op.tools.trace_summary import summarize_run
 
     for name in VARIANTS:
         with SummaryWriter(os.path.join(logdir, name)) as writer:
