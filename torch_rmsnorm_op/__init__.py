@@ -15,7 +15,7 @@ from torch_rmsnorm_op.fallback import (
     set_fallback_policy,
 )
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.ops import rms_norm
+from torch_rmsnorm_op.ops import add_rms_norm, rms_norm
 from torch_rmsnorm_op.patch import PatchedRMSNorm, PatchReport, patch_rmsnorm, patched_rmsnorm, unpatch_rmsnorm
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "RMSNorm",
     "RMSNormDTypeError",
     "RMSNormInputError",
+    "add_rms_norm",
     "dispatch_stats",
     "fallback_policy",
     "get_fallback_policy",

@@ -120,8 +120,7 @@ def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tens
         raise RMSNormInputError(f"{op}: dy must be on x's device (dy: {dy.device}, x: {x.device})")
     if dy.shape != x.shape:
         raise RMSNormInputError(f"{op}: dy must have x's shape {_shape(x)}, got {_shape(dy)}")
-    if dy.dtype != x.dtype:
-        raise RMSNormDTypeError(f"{op}: dy must have x's dtype {x.dtype}, got {dy.dtype}")
+    _check_real_float("dy", dy, op)
     want = computation_dtype(x.dtype)
     if rstd.device != x.device:
         raise RMSNormInputError(f"{op}: rstd must be on x's device (rstd: {rstd.device}, x: {x.device})")

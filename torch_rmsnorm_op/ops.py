@@ -53,12 +53,21 @@ def _kernels_serve(op: str, x: Tensor, weight: Tensor | None) -> bool:
 # ``custom_op`` would register the same kernels behind a Python wrapper of its own (an aliasing
 # check and a dynamo-disabled frame on every call); ``define`` + ``impl`` calls ours directly.
 _LIB = torch.library.Library("rmsnorm", "DEF")  # kept alive: a collected Library unregisters its ops
-_LIB.define("fwd(Tensor x, Tensor? weight, float eps) -> (Tensor y, Tensor rstd)")
-_LIB.define("bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd) -> (Tensor dx, Tensor? dweight)")
+_LIB.define("fwd(Tensor x, Tensor? weight, float eps, *, float weight_offset=0.0, ScalarType? norm_dtype=None, "
+            "ScalarType? out_dtype=None) -> (Tensor y, Tensor rstd)")
+_LIB.define("bwd(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, *, float weight_offset=0.0) "
+            "-> (Tensor dx, Tensor? dweight)")
+_LIB.define("add_fwd(Tensor x, Tensor residual, Tensor? weight, float eps, *, float weight_offset=0.0, "
+            "ScalarType? norm_dtype=None, ScalarType? out_dtype=None) -> (Tensor y, Tensor residual_out, Tensor rstd)")
+_LIB.define("add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, Tensor rstd, *, "
+            "float weight_offset=0.0) -> (Tensor dx, Tensor? dweight)")
 
 
-def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def rms_norm_fwd(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
+                 norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
+    if weight_offset or norm_dtype is not None or out_dtype is not None:
+        return reference.rms_norm_forward(x, weight, eps, weight_offset, norm_dtype, out_dtype)
     return _forward(x, weight, eps)
 
 
@@ -90,16 +99,20 @@ def _forward(x: Tensor, weight: Tensor | None, eps: float, want_rstd: bool = Tru
 
 
 @torch.library.register_fake("rmsnorm::fwd", lib=_LIB)
-def _(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
+      norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight)
     return (
-        x.new_empty(x.shape),
+        x.new_empty(x.shape, dtype=out_dtype or x.dtype),
         x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)),
     )
 
 
-def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
+                 weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
+    if weight_offset or dy.dtype != x.dtype:
+        return reference.rms_norm_backward(dy, x, weight, rstd, weight_offset)
     if x.shape[-1] > 0 and not _kernels_serve("rmsnorm.bwd", x, weight):
         with torch.profiler.record_function("rmsnorm.bwd [reference fallback]"):
             return reference.rms_norm_backward(dy, x, weight, rstd)
@@ -116,13 +129,46 @@ def rms_norm_bwd(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> 
 
 
 @torch.library.register_fake("rmsnorm::bwd", lib=_LIB)
-def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> tuple[Tensor, Tensor | None]:
+def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
+      weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
     return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
+def rms_norm_add_fwd(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
+                     norm_dtype: torch.dtype | None = None,
+                     out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    check_forward_args(x, weight)
+    return reference.add_rms_norm_forward(x, residual, weight, eps, weight_offset, norm_dtype, out_dtype)
+
+
+@torch.library.register_fake("rmsnorm::add_fwd", lib=_LIB)
+def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
+      norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    check_forward_args(x, weight)
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (
+        x.new_empty(x.shape, dtype=out_dtype or sum_dtype),
+        x.new_empty(x.shape, dtype=sum_dtype),
+        x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype)),
+    )
+
+
+def rms_norm_add_bwd(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None,
+                     rstd: Tensor, *, weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
+    return reference.add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd, weight_offset)
+
+
+@torch.library.register_fake("rmsnorm::add_bwd", lib=_LIB)
+def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor, *,
+      weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
+    return residual_out.new_empty(residual_out.shape), None if weight is None else weight.new_empty(weight.shape)
+
+
 _LIB.impl("fwd", rms_norm_fwd, "CompositeExplicitAutograd")
 _LIB.impl("bwd", rms_norm_bwd, "CompositeExplicitAutograd")
+_LIB.impl("add_fwd", rms_norm_add_fwd, "CompositeExplicitAutograd")
+_LIB.impl("add_bwd", rms_norm_add_bwd, "CompositeExplicitAutograd")
 
 
 @torch.library.register_vmap("rmsnorm::fwd", lib=_LIB)
@@ -139,8 +185,9 @@ def _(info, in_dims, x: Tensor, weight: Tensor | None, eps: float):
     return reference.rms_norm_forward(x, w, eps), (0, 0)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     x, weight, eps = inputs
+    ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
     _, rstd = output
     ctx.mark_non_differentiable(rstd)
     # rstd never has a gradient: without this autograd would zero-fill one ([M] fp32, a kernel
@@ -158,14 +205,41 @@ def _backward(ctx, dy: Tensor | None, _drstd: Tensor | None):
         # create_graph=True: the gradient must itself be differentiable, rstd included,
         # so take the reference formula over a recomputed rstd.
         rstd = reference.rms_norm_forward(x, None, ctx.eps)[1]
-        dx, dweight = reference.rms_norm_backward(dy, x, weight, rstd)
+        dx, dweight = reference.rms_norm_backward(dy, x, weight, rstd, ctx.weight_offset)
     else:
-        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd)
+        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd, weight_offset=ctx.weight_offset)
     need_x, need_w, _ = ctx.needs_input_grad
     return (dx if need_x else None), (dweight if need_w else None), None
 
 
 torch.library.register_autograd("rmsnorm::fwd", _backward, setup_context=_setup_context, lib=_LIB)
+
+
+def _add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
+    x, residual, weight, eps = inputs
+    _, residual_out, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.set_materialize_grads(False)
+    ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
+    ctx.dtypes = (x.dtype, residual.dtype)
+    ctx.save_for_backward(residual_out, weight, rstd)
+
+
+def _add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None):
+    residual_out, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        if dresidual_out is None:
+            return None, None, None, None
+        dy = torch.zeros_like(residual_out)
+    dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dresidual_out, residual_out, weight, rstd,
+                                             weight_offset=ctx.weight_offset)
+    need_x, need_r, need_w, _ = ctx.needs_input_grad
+    dx_dtype, dr_dtype = ctx.dtypes
+    return ((dsum.to(dx_dtype) if need_x else None), (dsum.to(dr_dtype) if need_r else None),
+            (dweight if need_w else None), None)
+
+
+torch.library.register_autograd("rmsnorm::add_fwd", _add_backward, setup_context=_add_setup_context, lib=_LIB)
 # Autocast as aten's rms_norm has it in this torch: where it is on a device's autocast fp32
 # list (CUDA's in torch 2.13, not CPU's), F.rms_norm computes from fp32 inputs and returns
 # fp32 there, so the op does the same; elsewhere inputs pass through as they are.
@@ -219,7 +293,8 @@ def _nothing_to_dispatch(input: Tensor, weight: Tensor | None) -> bool:
 
 
 def rms_norm(
-    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None, *,
+    weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """``torch.nn.functional.rms_norm`` backed by ``torch.ops.rmsnorm``: same signature, defaults
     (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes and gradients.
@@ -241,17 +316,34 @@ def rms_norm(
             record_fallback("rms_norm", transform)
             return reference.rms_norm_reference(input, shape, weight, eps)
         # check_functional_args has checked what check_forward_args would
-        direct = _nothing_to_dispatch(input, weight)
+        direct = (_nothing_to_dispatch(input, weight) and weight_offset == 0.0 and norm_dtype is None
+                  and out_dtype is None)
     x, w = input, weight
     if len(shape) > 1:
         n = math.prod(shape)
         x = input.reshape(*input.shape[: input.dim() - len(shape)], n)
         w = None if weight is None else weight.reshape(n)
     if not direct:
-        y = torch.ops.rmsnorm.fwd(x, w, float(eps))[0]
+        y = torch.ops.rmsnorm.fwd(x, w, float(eps), weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                  out_dtype=out_dtype)[0]
     elif torch._C._autograd._profiler_enabled():
         with torch.profiler.record_function("rmsnorm::fwd"):
             y = _forward(x, w, float(eps), want_rstd=False)[0]
     else:
         y = _forward(x, w, float(eps), want_rstd=False)[0]
     return y if len(shape) == 1 else y.view(input.shape)
+
+
+def add_rms_norm(
+    input: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    eps: float | None = None, *, weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(input + residual, ...), input + residual)`` in one pass."""
+    shape = check_functional_args(input, normalized_shape, weight)
+    if eps is None:
+        eps = reference.default_eps(torch.promote_types(input.dtype, residual.dtype))
+    y, residual_out, _ = torch.ops.rmsnorm.add_fwd(input, residual, weight, float(eps),
+                                                   weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                                   out_dtype=out_dtype)
+    return y, residual_out

@@ -37,26 +37,34 @@ def default_eps(dtype: torch.dtype) -> float:
     return torch.finfo(torch.float64 if ctype in (torch.float64, torch.complex128) else torch.float32).eps
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
-    """Normalize over the last dim. Returns ``(y, rstd)``; ``y`` in x's dtype, contiguous;
-    ``rstd`` of shape ``x.shape[:-1]`` in the computation dtype."""
-    xc = x.to(computation_dtype(x.dtype))
+def rms_norm_forward(
+    x: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Normalize over the last dim. Returns ``(y, rstd)``; ``y`` in ``out_dtype`` (default x's
+    dtype), contiguous; ``rstd`` of shape ``x.shape[:-1]`` in the computation dtype. The
+    normalized row is rounded to ``norm_dtype`` (if given) before the weight multiplies it;
+    the weight enters as ``weight + weight_offset``, both in the computation dtype."""
+    ctype = computation_dtype(x.dtype)
+    xc = x.to(ctype)
     rstd = torch.rsqrt(xc.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = xc * rstd
+    if norm_dtype is not None:
+        y = y.to(norm_dtype).to(ctype)
     if weight is not None:
-        y = y * weight
-    return y.to(x.dtype).contiguous(), rstd.squeeze(-1).contiguous()
+        y = y * (weight.to(ctype) + weight_offset)
+    return y.to(out_dtype or x.dtype).contiguous(), rstd.squeeze(-1).contiguous()
 
 
 def rms_norm_backward(
-    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor
+    dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_offset: float = 0.0
 ) -> tuple[Tensor, Tensor | None]:
-    """The manual backward formula. Returns ``(dx, dweight)``; ``dweight`` is None
-    without a weight, else in the weight's dtype."""
+    """The manual backward formula. Returns ``(dx, dweight)``; ``dx`` in x's dtype;
+    ``dweight`` is None without a weight, else in the weight's dtype."""
     ctype = computation_dtype(x.dtype)
     xc, dyc = x.to(ctype), dy.to(ctype)
     r = rstd.to(ctype).unsqueeze(-1)
-    u = dyc * weight.to(ctype) if weight is not None else dyc
+    u = dyc * (weight.to(ctype) + weight_offset) if weight is not None else dyc
     c = (u * xc).mean(dim=-1, keepdim=True)
     dx = r * (u - xc * r * r * c)
     dweight = None
@@ -67,14 +75,43 @@ def rms_norm_backward(
 
 def rms_norm_reference(
     input: Tensor, normalized_shape: list[int] | tuple[int, ...], weight: Tensor | None = None,
-    eps: float | None = None,
+    eps: float | None = None, weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """``F.rms_norm`` semantics, composed from plain torch ops (autograd handles gradients)."""
+    """``F.rms_norm`` semantics (plus ``rms_norm_forward``'s weight offset and roundings),
+    composed from plain torch ops (autograd handles gradients)."""
     dims = tuple(range(input.dim() - len(normalized_shape), input.dim()))
     if eps is None:
         eps = default_eps(input.dtype)
-    xc = input.to(computation_dtype(input.dtype))
+    ctype = computation_dtype(input.dtype)
+    xc = input.to(ctype)
     y = xc * torch.rsqrt(xc.pow(2).mean(dim=dims, keepdim=True) + eps)
+    if norm_dtype is not None:
+        y = y.to(norm_dtype).to(ctype)
     if weight is not None:
-        y = y * weight
-    return y.to(input.dtype)
+        y = y * (weight + weight_offset) if weight_offset else y * weight
+    return y.to(out_dtype or input.dtype)
+
+
+def add_rms_norm_forward(
+    x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
+    norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, residual_out, rstd)`` with ``residual_out = x + residual`` (in their promoted dtype,
+    as torch adds them) and ``y, rstd = rms_norm_forward(residual_out, ...)``."""
+    residual_out = (x + residual).contiguous()
+    y, rstd = rms_norm_forward(residual_out, weight, eps, weight_offset, norm_dtype, out_dtype)
+    return y, residual_out, rstd
+
+
+def add_rms_norm_backward(
+    dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor,
+    weight_offset: float = 0.0,
+) -> tuple[Tensor, Tensor | None]:
+    """The gradient of ``residual_out`` (the norm's, plus ``dresidual_out`` if given) in its
+    dtype, and dweight: the gradient of both inputs of the sum."""
+    ctype = computation_dtype(residual_out.dtype)
+    dx, dweight = rms_norm_backward(dy, residual_out.to(ctype), weight, rstd, weight_offset)
+    if dresidual_out is not None:
+        dx = dx + dresidual_out  # in the computation dtype, rounded once below
+    return dx.to(residual_out.dtype), dweight
