@@ -35,8 +35,8 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op import contract, kernels, ops  # noqa: E402
-from torch_rmsnorm_op.tools.benchmark import EPS, LATENCY_SHAPES, call_us, calls_us, cuda_graph, gpu_us  # noqa: E402
 from torch_rmsnorm_op.config import forward_config  # noqa: E402
+from torch_rmsnorm_op.tools.benchmark import EPS, LATENCY_SHAPES, call_us, calls_us, cuda_graph, gpu_us  # noqa: E402
 
 
 def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:

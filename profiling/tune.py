@@ -1,265 +1,296 @@
-"""Sweep launch configurations on a GPU and print the best per N: the input to ``config.py``.
+"""Sweep launch configurations on a GPU at the shapes models run: the input to ``config.py``.
 
-Times the launchers directly (GPU time, after a correctness check against the float64
-reference), x of 256 MiB as in the benchmark: ``triton.testing.do_bench``'s median, which
-clears L2 before every call, or with ``--timing bench`` the benchmark's own measure
-(``benchmark.gpu_us``: back-to-back calls, every kernel's profiler device time, median
-window), which is what the targets are judged on; the two have disagreed (profiling/NOTES.md).
-``--jobs`` picks (pass, dtype, N); ``--near`` times only the
-table's neighbours, ``--table`` only the table's config (to compare kernel variants),
-``--staged`` the table's config and its prefetching variants (``KernelConfig.stages``),
-``--override FIELD=VALUE,...`` the table's config and it with those fields replaced;
-``--split-only`` keeps split-mode candidates alone (at N >= 65536 the looped and single-pass
-forms lost by 5 points and more in every session that timed them);
-``profiling/host_overhead.py`` breaks down the host cost of a call.
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:bfloat16:4096,...]
-[--near | --table | --staged | --override F=V,...] [--split-only] [--timing bench]``;
-writes ``DIR/<tag>.json``.
+For each job (pass, M, N) it times the table's configuration and candidates around it, after
+checking each against the float64 reference, with the package's launchers
+(``torch_rmsnorm_op.launch``) and, with ``--inductor``, Inductor's compiled ``F.rms_norm`` at
+the same shape. Times are GPU time (the sum of the device durations of every kernel and memset
+a step launched, from ``torch.profiler``; median of windows), inputs random and rotating over
+enough sets that none is read from L2. Candidates compile in parallel worker processes first
+(``--workers``), which fill Triton's cache for the timing process.
+
+Passes: ``fwd`` and ``bwd`` (the backward alone), ``add_fwd`` / ``add_bwd`` (with the residual
+add fused). ``pct`` is the byte floor (fwd: read x, write y; add_fwd: read x and the residual,
+write y and the sum; bwd: read x and dy, write dx; add_bwd: also read the sum's gradient) over
+the time, against the copy ceiling measured in the same run.
+
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,...] [--dtype bfloat16]
+[--wdtype float32] [--inductor] [--table-only]``; writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import concurrent.futures
 import dataclasses
 import itertools
 import json
+import multiprocessing
 import os
+import statistics
 import sys
 
 import torch
 import triton
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torch_rmsnorm_op import kernels, reference
-from torch_rmsnorm_op.tools import benchmark  # noqa: E402
+from torch_rmsnorm_op import dispatch, launch, reference  # noqa: E402
 from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
 
-BYTES = 256 * 2**20  # x alone, as in the benchmark
+EPS = 1e-6
+ROTATE_BYTES = 512 * 2**20  # over 8x the H200's 60 MB L2
 DEVICE = "cuda"
+REAL_MS = (16, 2048, 8192, 16384)
+REAL_NS = (128, 2048, 3584, 4096, 5120, 7168, 8192)
 
 
-def fwd_candidates(n):
+def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
+    """Whole rows per program (2K-16K elements, 4-16 warps, at least 8 elements per thread;
+    without masks where N is a power of two) and the looped form (2K-4K columns per step)."""
+    block = triton.next_power_of_2(n)
+    exact = block == n
     out = []
-    if n <= 32768:
-        for rows, warps in itertools.product((1, 2, 4, 8, 16), (4, 8, 16, 32)):
-            if rows * n <= 32768 and rows * n >= 1024 and warps * 32 * 4 <= rows * n:
-                out.append(KernelConfig(n, rows, warps))
-    for split, warps in itertools.product((2, 4, 8, 16, 32, 64), (4, 8, 16)):
-        block = triton.next_power_of_2(triton.cdiv(n, split))
-        if 2048 <= block <= 32768 and block * split >= n and warps * 32 * 4 <= block:
-            out.append(KernelConfig(block, 1, warps, split))
+    for rows, warps in itertools.product((1, 2, 4, 8, 16, 32), (4, 8, 16)):
+        if 2048 <= rows * block <= 16384 and warps * 32 * 8 <= rows * block:
+            out.append(KernelConfig(block, rows, warps, mask_free=exact))
+    if n >= 2048:
+        out += [KernelConfig(b, 1, w, looped=True, mask_free=n % b == 0) for b, w in ((2048, 8), (4096, 8), (4096, 16))
+                if b <= block]
     return out
 
 
-def bwd_candidates(n):
-    out = []
-    for pps in (1, 2, 4, 8):
-        if n <= 16384:
-            for rows, warps in itertools.product((1, 2, 4, 8, 16), (4, 8, 16)):
-                if 1024 <= rows * n <= 16384 and warps * 32 * 4 <= rows * n:
-                    out.append(KernelConfig(n, rows, warps, 1, pps))
-        for split, warps in itertools.product((2, 4, 8, 16, 32, 64), (4, 8, 16)):
-            block = triton.next_power_of_2(triton.cdiv(n, split))
-            if 2048 <= block <= 16384 and block * split >= n and warps * 32 * 4 <= block:
-                out.append(KernelConfig(block, 1, warps, split, pps))
+def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
+    """Row tiles of 4K-16K elements, 8 or 16 warps, 1-4 programs per SM; the table's
+    configuration with the other loop form, a second read of x and dy, prefetching."""
+    block = triton.next_power_of_2(n)
+    out = [KernelConfig(block, tile // block, warps, 1, pps)
+           for tile, warps, pps in itertools.product((4096, 8192, 16384), (8, 16), (1, 2, 4))
+           if tile >= block and warps * 32 * 4 <= tile]
+    out += [dataclasses.replace(cfg, counted_loop=not cfg.counted_loop), dataclasses.replace(cfg, reload=True),
+            dataclasses.replace(cfg, stages=2)]
     return out
 
 
-def staged(cfg: KernelConfig) -> list[KernelConfig]:
-    """``cfg`` with its loops' loads in the loop (``stages`` 1) or prefetched into shared memory
-    (2 to 4: 1 to 3 iterations ahead); in split mode also twice the warps or programs per SM, or
-    half the warps, with prefetching; in the backward with ``reload``, prefetching instead of the
-    second read."""
-    out = [dataclasses.replace(cfg, stages=s) for s in (1, 2, 3, 4)]
-    if cfg.split > 1:
-        out += [dataclasses.replace(cfg, stages=s, **{f: getattr(cfg, f) * 2})
-                for s in (2, 3) for f in ("num_warps", "programs_per_sm")]
-        out += [dataclasses.replace(cfg, stages=s, num_warps=cfg.num_warps // 2) for s in (2, 3) if cfg.num_warps > 1]
-    if cfg.reload:
-        out += [dataclasses.replace(cfg, stages=s, reload=False) for s in (2, 3)]
-    return [c for c in out if c != cfg]
+@dataclasses.dataclass
+class Job:
+    pass_name: str
+    m: int
+    n: int
+    dtype: torch.dtype
+    wdtype: torch.dtype
+
+    @property
+    def backward(self) -> bool:
+        return self.pass_name.endswith("bwd")
+
+    @property
+    def residual(self) -> bool:
+        return self.pass_name.startswith("add")
+
+    def floor_bytes(self) -> int:
+        e = self.dtype.itemsize
+        reads_writes = {"fwd": 2, "add_fwd": 4, "bwd": 3, "add_bwd": 4}[self.pass_name]
+        return reads_writes * self.m * self.n * e
 
 
-def _split_forwards(row: int) -> list[KernelConfig]:
-    """Split-mode forwards for a row of ``row`` (a power of two) columns, from N = 32768 on."""
-    shapes = ((8192, 4), (8192, 8), (16384, 8))
-    return [KernelConfig(b, 1, w, split=row // b, programs_per_sm=2, stages=2) for b, w in shapes
-            if row >= 32768 and row // b >= 2]
+class Sets:
+    """``count`` input sets for a job, random, never zeros, with the outputs they need."""
+
+    def __init__(self, job: Job, count: int):
+        self.items = []
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        for _ in range(count):
+            x = torch.randn(job.m, job.n, device=DEVICE, dtype=job.dtype, generator=g)
+            r = torch.randn_like(x) if job.residual else None
+            w = (torch.rand(job.n, device=DEVICE, generator=g) + 0.5).to(job.wdtype)
+            s = x if r is None else x + r
+            _, rstd = reference.rms_norm_forward(s, w, EPS)
+            self.items.append(dict(x=x, r=r, w=w, s=s, rstd=rstd, dy=torch.randn_like(x),
+                                   dres=torch.randn_like(x) if job.residual else None, y=torch.empty_like(x),
+                                   h=torch.empty_like(x) if job.residual else None, dx=torch.empty_like(x),
+                                   dw=torch.empty_like(w), rstd_out=torch.empty_like(rstd)))
 
 
-def neighbours(cfg: KernelConfig, backward: bool, n: int) -> list[KernelConfig]:
-    """The table's config with one parameter halved or doubled at a time (``--near``), and the
-    other forward forms for its N."""
-    if cfg.looped:  # warps and columns per step; the whole row in registers; split mode
-        row = triton.next_power_of_2(n)
-        out = [dataclasses.replace(cfg, num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2) if 1 <= w <= 32]
-        out += staged(cfg)
-        out += [dataclasses.replace(cfg, block_n=b) for b in (cfg.block_n // 2, cfg.block_n * 2)
-                if cfg.num_warps * 32 * 4 <= b <= row]
-        out += [KernelConfig(row, 1, w) for w in (8, 16, 32) if row <= 32768]
-        return out + _split_forwards(row)
-    fields = ["num_warps"] + (["rows"] if cfg.split == 1 else ["programs_per_sm"])
-    if backward and cfg.split == 1:
-        fields.append("programs_per_sm")
-    out = [
-        dataclasses.replace(cfg, **{f: v})
-        for f in fields
-        for v in (getattr(cfg, f) // 2, getattr(cfg, f) * 2)
-        if 1 <= v <= 32
-    ]
-    if backward and cfg.split == 1:  # the other row-loop form; x and dy read once more or once less
-        out.append(dataclasses.replace(cfg, counted_loop=not cfg.counted_loop))
-        out += [dataclasses.replace(cfg, reload=not cfg.reload, num_warps=w)
-                for w in (cfg.num_warps, cfg.num_warps * 2) if w <= 32]
-    if cfg.split > 1 or backward:
-        out += staged(cfg)
-    if cfg.split > 1 and cfg.block_n * cfg.split <= 32768:  # the whole row in one program (at 65536: 5-23%)
-        out += [KernelConfig(cfg.block_n * cfg.split, 1, w, 1, cfg.programs_per_sm, reload=r)
-                for w in (16, 32) for r in ((False, True) if backward else (False,))]
-    row = cfg.block_n * cfg.split
-    if not backward and cfg.split == 1:
-        out += _split_forwards(row)
-    if not backward and row >= 4096:  # one row per program, two passes over x (Inductor's loop)
-        out += [KernelConfig(b, 1, w, looped=True) for b in (1024, 2048, 4096, 8192, row) for w in (8, 16, 32)
-                if b <= row and w * 32 * 4 <= b]
-    if not backward and cfg.split == 1 and row <= 1024:  # Inductor's small tiles: 1024-2048 elements, 1-2 warps
-        out += [KernelConfig(row, r, w) for r in (1024 // row, 2048 // row) for w in (1, 2) if r >= 1]
-    if cfg.rows == 1:  # columns per program: twice the programs per row at half the block, and back
-        out.append(dataclasses.replace(cfg, block_n=cfg.block_n // 2, split=cfg.split * 2, reload=False,
-                                       mask_free=False))
-        if cfg.split > 1:
-            out.append(dataclasses.replace(cfg, block_n=cfg.block_n * 2, split=cfg.split // 2))
-    return out
-
-
-TIMING = "do_bench"
-
-
-def bench(fn):
-    """GPU time of ``fn`` in us, as ``TIMING`` says."""
-    if TIMING == "bench":
-        return benchmark.gpu_us(fn, iters=20, repeats=5)
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-
-
-def tune(
-    pass_name: str, n: int, dtype: torch.dtype, near: bool, copy_gbs: float, only_table: bool = False,
-    only_staged: bool = False, override: dict | None = None, split_only: bool = False,
-) -> list[dict]:
-    """Time the table's config and the candidates for one (pass, N, dtype); best first."""
-    elem = dtype.itemsize
-    m = BYTES // (n * elem)
-    x = torch.randn(m, n, device=DEVICE, dtype=dtype)
-    w = torch.rand(n, device=DEVICE, dtype=dtype) + 0.5
-    dy = torch.randn_like(x)
-    y, rstd = torch.empty_like(x), torch.empty(m, device=DEVICE)
-    dx, dw = torch.empty_like(x), torch.empty_like(w)
-    y_ref, rstd_ref = reference.rms_norm_forward(x[:64].double(), w.double(), 1e-6)
-    dx_ref, dw_ref = reference.rms_norm_backward(dy[:64].double(), x[:64].double(), w.double(), rstd_ref)
-    backward = pass_name == "bwd"
-    table = (backward_config if backward else forward_config)(n, dtype)
-    if only_table:
-        cands = []
-    elif only_staged:
-        cands = staged(table)
-    elif override:
-        cands = [dataclasses.replace(table, **override)]
-    elif near:
-        cands = neighbours(table, backward, n)
+def run_ours(job: Job, cfg: KernelConfig, item: dict) -> None:
+    if job.backward:
+        plan = dispatch.backward_plan(item["s"], item["w"], item["dy"].dtype)
+        plan = dataclasses.replace(plan, cfg=cfg)
+        launch.backward(plan, item["dy"], item["s"], item["w"], item["rstd"], item["dx"], item["dw"], item["dres"])
     else:
-        cands = bwd_candidates(n) if backward else fwd_candidates(n)
-    if split_only:
-        cands = [c for c in cands if c.split > 1]
-    kernels.launch_forward(x, w, 1e-6, y, rstd)
-    rows = []
-    for cfg in dict.fromkeys([table] + cands):  # each config once, the table's first
+        plan = dispatch.forward_plan(item["x"], item["w"], item["r"])
+        plan = dataclasses.replace(plan, cfg=cfg, launcher=None)
+        launch.forward(plan, item["x"], item["w"], EPS, item["y"], item["rstd_out"], item["r"], item["h"])
+
+
+def check(job: Job, item: dict) -> float:
+    """Max abs error of the outputs just written against the float64 reference."""
+    s64 = item["s"].double()
+    if job.backward:
+        if job.residual:
+            dx, _ = reference.add_rms_norm_backward(item["dy"].double(), item["dres"].double(), s64,
+                                                    item["w"].double(), item["rstd"].double())
+        else:
+            dx, _ = reference.rms_norm_backward(item["dy"].double(), s64, item["w"].double(), item["rstd"].double())
+        return (item["dx"].double() - dx).abs().max().item()
+    y, _ = reference.rms_norm_forward(s64, item["w"].double(), EPS)
+    return (item["y"].double() - y).abs().max().item()
+
+
+def gpu_us(step, count: int, iters: int = 10, repeats: int = 3) -> float:
+    """Median over windows of the GPU time per step; ``step(i)`` uses input set ``i % count``."""
+    for i in range(3):
+        step(i % count)
+    if DEVICE == "cpu":  # a dry run through the interpreter: no GPU time to read
+        return 1.0
+    torch.cuda.synchronize()
+    windows = []
+    i = 0
+    for _ in range(repeats):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                step(i % count)
+                i += 1
+            torch.cuda.synchronize()
+        windows.append(sum(e.time_range.elapsed_us() for e in prof.events()
+                           if e.device_type == torch.autograd.DeviceType.CUDA) / iters)
+    return statistics.median(windows)
+
+
+def candidates(job: Job, table: KernelConfig, table_only: bool) -> list[KernelConfig]:
+    if table_only:
+        return [table]
+    gen = bwd_candidates if job.backward else fwd_candidates
+    return list(dict.fromkeys([table, *gen(job.n, table)]))
+
+
+def _precompile(job: Job, cfgs: list[KernelConfig]) -> int:
+    """Worker: run each config once (Triton compiles and caches it)."""
+    item = Sets(job, 1).items[0]
+    done = 0
+    for cfg in cfgs:
         try:
-            if backward:
-                ws = kernels.backward_workspace(m, n, x.device, dtype, cfg)
-                kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
-                err = (dx[:64].double() - dx_ref).abs().max().item()
-                if m <= 64:  # dweight checkable against the same rows
-                    err = max(err, (dw.double() - dw_ref).abs().max().item())
-                us = bench(lambda cfg=cfg, ws=ws: kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg))
-                extra = dict(scratch_MiB=ws.numel() * 4 / 2**20)
-            else:
-                kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
-                err = (y[:64].double() - y_ref).abs().max().item()
-                us = bench(lambda cfg=cfg: kernels.launch_forward(x, w, 1e-6, y, rstd, cfg))
-                extra = {}
+            run_ours(job, cfg, item)
+            done += 1
+        except Exception:  # noqa: BLE001 - an unbuildable config shows up when timed
+            pass
+    return done
+
+
+def inductor_us(job: Job, sets: Sets) -> float:
+    torch._dynamo.reset()
+    n = job.n
+
+    def f(x, r, w):
+        s = x if r is None else x + r
+        y = torch.nn.functional.rms_norm(s, (n,), w, EPS)
+        return y if r is None else (y, s)
+
+    compiled = torch.compile(f, dynamic=False)
+    items = sets.items
+    if not job.backward:
+        with torch.no_grad():
+            return gpu_us(lambda i: compiled(items[i]["x"], items[i]["r"], items[i]["w"]), len(items))
+    leaves = [dict(x=it["x"].detach().requires_grad_(), r=None if it["r"] is None else it["r"].detach().requires_grad_(),
+                   w=it["w"].detach().requires_grad_()) for it in items]
+
+    def step(i):
+        lf, it = leaves[i], items[i]
+        out = compiled(lf["x"], lf["r"], lf["w"])
+        grads = (it["dy"],) if lf["r"] is None else (it["dy"], it["dres"])
+        outs = (out,) if lf["r"] is None else out
+        torch.autograd.backward(outs, grads)
+        for t in lf.values():
+            if t is not None:
+                t.grad = None
+
+    return gpu_us(step, len(items))
+
+
+def precompile(jobs: list[tuple[Job, list[KernelConfig]]], workers: int) -> None:
+    """Compile every job's candidates in ``workers`` processes (Triton caches them on disk)."""
+    tasks = [(job, cfgs[i::workers]) for job, cfgs in jobs for i in range(min(workers, len(cfgs)))]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        list(pool.map(_precompile, *zip(*tasks)))
+
+
+def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: bool) -> dict:
+    table = cfgs[0]
+    per_set = job.floor_bytes()
+    sets = Sets(job, max(1, min(64, -(-ROTATE_BYTES // per_set))))
+    rows = []
+    for cfg in cfgs:
+        try:
+            run_ours(job, cfg, sets.items[0])
+            err = check(job, sets.items[0])
+            us = gpu_us(lambda i, cfg=cfg: run_ours(job, cfg, sets.items[i]), len(sets.items))
         except Exception as e:  # noqa: BLE001 - an unbuildable config is a data point
-            print(pass_name, n, cfg, "failed:", repr(e)[:120], flush=True)
+            print(f"  {cfg} failed: {repr(e)[:100]}", flush=True)
             continue
-        floor = (3 if backward else 2) * m * n * elem
-        rows.append(
-            dict(
-                us=us,
-                pct=floor / (us * 1e-6) / 1e9 / copy_gbs * 100,
-                cfg=cfg.__dict__,
-                max_err=err,
-                table=cfg == table,
-                **extra,
-            )
-        )
+        rows.append(dict(us=us, pct=per_set / (us * 1e-6) / 1e9 / copy_gbs * 100, cfg=cfg.__dict__, max_err=err,
+                         table=cfg == table))
     rows.sort(key=lambda r: r["us"])
+    out = dict(job=f"{job.pass_name}:{job.m}:{job.n}", dtype=str(job.dtype), wdtype=str(job.wdtype), rows=rows)
     cur = next(r for r in rows if r["table"])
-    print(
-        f"{pass_name} {str(dtype).removeprefix('torch.')} N={n}: best {rows[0]['pct']:.1f}% {rows[0]['cfg']} "
-        f"err {rows[0]['max_err']:.2e}; table {cur['pct']:.1f}% {cur['cfg']}",
-        flush=True,
-    )
-    return rows
+    line = (f"{out['job']:>20} best {rows[0]['pct']:5.1f}% {rows[0]['us']:8.2f}us {rows[0]['cfg']}  "
+            f"table {cur['pct']:5.1f}% {cur['us']:8.2f}us")
+    if with_inductor:
+        # For a backward job Inductor's figure is its forward + backward (the compiled graph's
+        # kernels of both passes), against that byte floor.
+        us = inductor_us(job, sets)
+        floor = per_set
+        if job.backward:
+            floor = (8 if job.residual else 5) * job.m * job.n * job.dtype.itemsize
+        key = "inductor_fwd_bwd" if job.backward else "inductor_fwd"
+        out[key + "_us"] = us
+        out[key + "_pct"] = floor / (us * 1e-6) / 1e9 / copy_gbs * 100
+        line += f"  {key} {out[key + '_pct']:5.1f}% {us:8.2f}us"
+    print(line, flush=True)
+    return out
 
 
-def save(results: dict, args: argparse.Namespace) -> None:
-    with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
-
-
-def main():
-    p = argparse.ArgumentParser()
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=".")
-    p.add_argument(
-        "--jobs",
-        default=",".join(
-            f"{k}:bfloat16:{n}" for n in (1024, 4096, 8192, 16384, 32768, 65536, 262144) for k in ("fwd", "bwd")
-        ),
-        help="comma-separated pass:dtype:N (pass fwd or bwd)",
-    )
-    # One candidate set at a time: given together, all but one would be dropped without a word.
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--near", action="store_true", help="only the table's neighbours, one parameter at a time")
-    which.add_argument("--table", action="store_true", help="only the table's config (to compare kernel variants)")
-    which.add_argument("--staged", action="store_true", help="only the table's config and its prefetching variants")
-    which.add_argument("--override", default="",
-                       help="only the table's config and it with these fields (mask_free=True)")
-    p.add_argument("--split-only", action="store_true", help="only split-mode candidates")
-    p.add_argument("--tag", default="tune", help="output file stem")
-    p.add_argument("--timing", choices=("do_bench", "bench"), default="do_bench",
-                   help="do_bench (L2 cleared before each call) or the benchmark's back-to-back profiler time")
+    p.add_argument("--tag", default="tune")
+    p.add_argument("--jobs", default=",".join(f"{k}:{m}:{n}" for k in ("fwd", "bwd") for m in (8192,) for n in REAL_NS),
+                   help="comma-separated pass:M:N (pass fwd, bwd, add_fwd, add_bwd)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--wdtype", default="bfloat16")
+    p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--table-only", action="store_true", help="only the table's configuration")
+    p.add_argument("--inductor", action="store_true", help="also time Inductor's compiled F.rms_norm")
+    p.add_argument("--dry-run", action="store_true", help="CPU through the Triton interpreter: checks, no timings")
     args = p.parse_args()
-    override = {k: ast.literal_eval(v) for k, v in (f.split("=") for f in args.override.split(",") if f)}
-    global TIMING
-    TIMING = args.timing
-    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    copy_gbs = 4 * (1 << 30) / (bench(lambda: dst.copy_(src)) * 1e-6) / 1e9
-    print(f"copy ceiling ({TIMING}): {copy_gbs:.0f} GB/s", flush=True)
-    results = {
-        "copy_GBs": copy_gbs,
-        "timing": TIMING,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "jobs": {},
-    }
-    for job in args.jobs.split(","):
-        pass_name, dtype, n = job.split(":")
-        results["jobs"][job] = tune(pass_name, int(n), getattr(torch, dtype), args.near, copy_gbs, args.table,
-                                      args.staged, override, args.split_only)
-        torch.cuda.empty_cache()
-        save(results, args)  # after every job: a run cut short keeps what it measured
+    global DEVICE
+    if args.dry_run:
+        DEVICE = "cpu"
+        args.workers = 1
+    os.makedirs(args.out, exist_ok=True)
+    copy_gbs = 1.0
+    if DEVICE == "cuda":
+        src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
+        dst = torch.empty_like(src)
+        copy_gbs = 4 * (1 << 30) / (gpu_us(lambda i: dst.copy_(src), 1) * 1e-6) / 1e9
+        del src, dst
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter dry run)"
+    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; copy ceiling {copy_gbs:.0f} GB/s",
+          flush=True)
+    results = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_GBs=copy_gbs, jobs=[])
+    jobs = []
+    for spec in args.jobs.split(","):
+        pass_name, m, n = spec.split(":")
+        job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype))
+        table = (backward_config if job.backward else forward_config)(job.n, job.dtype)
+        jobs.append((job, candidates(job, table, args.table_only)))
+    if args.workers > 1:
+        precompile(jobs, args.workers)
+    for job, cfgs in jobs:
+        results["jobs"].append(tune(job, cfgs, copy_gbs, args.inductor))
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        with open(os.path.join(args.out, args.tag + ".json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""The correctness campaign (SPEC §5), one test per case, plus the N-vs-BLOCK mutation test."""
+"""The correctness campaign, one test per case, plus the N-vs-BLOCK mutation test."""
 
 import importlib.util
 import inspect
 import sys
+import types
 from collections import Counter
 
 import pytest
@@ -42,19 +43,22 @@ def test_poisoned_output_is_caught(device):
 
 
 def _mutant(tmp_path):
-    """The tutorial's bug planted in a copy of the kernels: the mean divides by BLOCK_N, not N."""
+    """The tutorial's bug planted in a copy of the row kernels: the mean divides by BLOCK_N, not N.
+    Returns the package's kernels with the mutant's forward in place of its own."""
     from torch_rmsnorm_op import kernels
+    from torch_rmsnorm_op.kernels import rows
 
-    source = inspect.getsource(kernels)
+    source = inspect.getsource(rows)
     correct = "rstd = _rstd(tl.sum(x * x, axis=1), N, eps)"
     assert source.count(correct) == 1, "the mutation site moved: update the test"
-    path = tmp_path / "mutant_kernels.py"
+    path = tmp_path / "mutant_rows.py"
     path.write_text(source.replace(correct, "rstd = _rstd(tl.sum(x * x, axis=1), BLOCK_N, eps)"))
-    spec = importlib.util.spec_from_file_location("mutant_kernels", path)
+    spec = importlib.util.spec_from_file_location("mutant_rows", path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["mutant_kernels"] = module
+    sys.modules["mutant_rows"] = module
     spec.loader.exec_module(module)
-    return module
+    return types.SimpleNamespace(**{name: getattr(kernels, name) for name in kernels.__all__}
+                                 | {"_rms_norm_fwd_rows": module._rms_norm_fwd_rows})
 
 
 @pytest.mark.parametrize("n,caught", [(257, True), (256, False)])

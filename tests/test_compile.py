@@ -1,9 +1,16 @@
-"""torch.compile: no graph breaks, the ops in the AOT forward/backward graphs, Inductor's code."""
+"""torch.compile: no graph breaks, what the AOT graphs hold, Inductor's generated code.
+
+On CUDA the ops decompose while AOTAutograd traces the graph, so the graphs hold our kernels'
+launches (``triton_kernel_wrapper_functional`` naming ``_rms_norm_*``) and Inductor's output
+code launches them itself: no ``torch.ops.rmsnorm`` call is left. On CPU a compiled graph keeps
+each op as one opaque call, which runs the kernels through the Triton interpreter at run time.
+"""
 
 import pytest
 import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
@@ -17,29 +24,34 @@ def _norm(x, w):
     return T.rms_norm(x, (x.shape[-1],), w, 1e-6)
 
 
+def _add_norm(x, r, w):
+    return T.add_rms_norm(x, r, (x.shape[-1],), w, 1e-6)
+
+
+def _aot_graphs(f, *inputs):
+    graphs = {}
+
+    def capture(name):
+        def compiler(gm, _inputs):
+            graphs[name] = gm.code.strip()
+            return make_boxed_func(gm.forward)
+
+        return compiler
+
+    backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
+    out = torch.compile(f, backend=backend, fullgraph=True, dynamic=False)(*inputs)
+    sum(o.sum() for o in (out if isinstance(out, tuple) else (out,))).backward()
+    return graphs
+
+
 class TestGraphs(expecttest.TestCase):
     def setUp(self):
         torch._dynamo.reset()
 
-    def _graphs(self, device):
-        graphs = {}
-
-        def capture(name):
-            def compiler(gm, _inputs):
-                graphs[name] = gm.code.strip()
-                return make_boxed_func(gm.forward)
-
-            return compiler
-
-        backend = aot_autograd(fw_compiler=capture("forward"), bw_compiler=capture("backward"))
-        f = torch.compile(_norm, backend=backend, fullgraph=True, dynamic=False)
-        x = torch.randn(4, 16, device=device, requires_grad=True)
-        w = torch.randn(16, device=device, requires_grad=True)
-        f(x, w).sum().backward()
-        return graphs
-
-    def test_aot_graphs_call_the_ops(self):
-        graphs = self._graphs("cuda" if torch.cuda.is_available() else "cpu")
+    def test_cpu_aot_graphs_call_the_ops(self):
+        x = torch.randn(4, 16, requires_grad=True)
+        w = torch.randn(16, requires_grad=True)
+        graphs = _aot_graphs(_norm, x, w)
         self.assertExpectedInline(graphs["forward"], """\
 def forward(self, primals_1, primals_2):
     fwd = torch.ops.rmsnorm.fwd.default(primals_1, primals_2, 1e-06)
@@ -53,25 +65,117 @@ def forward(self, primals_1, primals_2, getitem_1, tangents_1):
     getitem_3 = bwd[1];  bwd = None
     return (getitem_2, getitem_3)""")
 
+    def test_cpu_aot_graphs_call_the_add_ops(self):
+        x, r = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16, requires_grad=True)
+        w = torch.randn(16, requires_grad=True)
+        graphs = _aot_graphs(_add_norm, x, r, w)
+        FileCheck().check("torch.ops.rmsnorm.add_fwd.default(primals_1, primals_3, primals_2, 1e-06)").run(
+            graphs["forward"])
+        FileCheck().check("torch.ops.rmsnorm.add_bwd.default(tangents_1, tangents_2,").run(graphs["backward"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_aot_graphs_hold_our_kernels(fused):
+    torch._dynamo.reset()
+    x = torch.randn(4, 16, device="cuda", requires_grad=True)
+    w = torch.randn(16, device="cuda", requires_grad=True)
+    if fused:
+        graphs = _aot_graphs(_add_norm, x, torch.randn_like(x, requires_grad=True), w)
+    else:
+        graphs = _aot_graphs(_norm, x, w)
+    for name in ("forward", "backward"):  # the launches themselves (Inductor's code names the kernels)
+        FileCheck().check("triton_kernel_wrapper_functional").check_not("torch.ops.rmsnorm").run(graphs[name])
+    assert T.dispatch_stats()["compiled"] == {
+        ("rmsnorm.add_fwd: kernel" if fused else "rmsnorm.fwd: kernel"): 1,
+        ("rmsnorm.add_bwd: kernel" if fused else "rmsnorm.bwd: kernel"): 1,
+    }
+
 
 def test_no_graph_breaks(device):
     x = torch.randn(4, 16, device=device)
     w = torch.randn(16, device=device)
-    explanation = torch._dynamo.explain(_norm)(x, w)
-    assert explanation.graph_break_count == 0 and explanation.graph_count == 1
+    for f, args in ((_norm, (x, w)), (_add_norm, (x, torch.randn_like(x), w))):
+        explanation = torch._dynamo.explain(f)(*args)
+        assert explanation.graph_break_count == 0 and explanation.graph_count == 1
     module = T.RMSNorm(16).to(device)
     assert torch._dynamo.explain(module)(x).graph_break_count == 0
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_inductor_calls_the_op_and_matches_eager(device, dynamic):
+def test_inductor_code_and_results(device, dynamic):
+    """On CUDA Inductor's code launches our kernels and calls no op; on CPU it calls the op."""
     torch._dynamo.reset()
     f = torch.compile(_norm, fullgraph=True, dynamic=dynamic)
     x = torch.randn(6, 32, device=device, requires_grad=True)
     w = torch.randn(32, device=device, requires_grad=True)
     y, (code, *_) = run_and_get_code(f, x, w)
-    FileCheck().check("torch.ops.rmsnorm.fwd.default(").run(code)
+    if device.type == "cuda":
+        FileCheck().check("_rms_norm_fwd_rows").check_not("torch.ops.rmsnorm").run(code)
+    else:
+        FileCheck().check("torch.ops.rmsnorm.fwd.default(").run(code)
     torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (32,), w, 1e-6), atol=1e-5, rtol=1e-4)
     T.reset_dispatch_stats()
-    y.sum().backward()
-    assert T.dispatch_stats()["kernel"] == {"rmsnorm.bwd": 1}
+    dx, dw = torch.autograd.grad(y.sum(), (x, w))
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    want = torch.autograd.grad(torch.nn.functional.rms_norm(x2, (32,), w2, 1e-6).sum(), (x2, w2))
+    torch.testing.assert_close((dx, dw), want, atol=1e-4, rtol=1e-4)
+    if device.type == "cpu":
+        assert T.dispatch_stats()["kernel"] == {"rmsnorm.bwd": 1}
+
+
+@pytest.mark.cuda
+def test_inductor_launches_the_fused_kernels_and_matches_eager():
+    torch._dynamo.reset()
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    r = torch.randn_like(x, requires_grad=True)
+    w = torch.rand(64, device="cuda", requires_grad=True)
+    (y, s), codes = run_and_get_code(torch.compile(_add_norm, fullgraph=True), x, r, w)
+    FileCheck().check("_rms_norm_fwd_rows").check_not("torch.ops.rmsnorm").run(codes[0])
+    y_eager, s_eager = _add_norm(x, r, w)
+    assert torch.equal(s, s_eager) and torch.equal(y, y_eager)  # the same kernels, bit for bit
+
+
+@pytest.mark.cuda
+def test_no_recompiles_across_batch_sizes_on_the_kernel_path():
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("inductor")
+    f = torch.compile(_norm, backend=counter, fullgraph=True)
+    w = torch.randn(64, device="cuda", requires_grad=True)
+    for m in (4, 7, 16, 33):
+        x = torch.randn(m, 64, device="cuda", requires_grad=True)
+        torch._dynamo.mark_dynamic(x, 0)
+        y = f(x, w)
+        y.sum().backward()
+        torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w, 1e-6), atol=1e-5, rtol=1e-4)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_has_no_cudagraph_skips():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    f = torch.compile(_add_norm, mode="reduce-overhead", fullgraph=True)
+    x = torch.randn(128, 257, device="cuda")
+    r, w = torch.randn_like(x), torch.randn(257, device="cuda")
+    for _ in range(4):
+        y, s = f(x, r, w)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    torch.testing.assert_close(y, _add_norm(x, r, w)[0])
+
+
+@pytest.mark.cuda
+def test_fallback_under_compile_is_decided_while_tracing():
+    """fp64 on CUDA: the graph holds the reference's operations, counted once as a compiled
+    fallback; "error" raises while compiling."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 16, device="cuda", dtype=torch.float64)
+    with T.fallback_policy("reference"):
+        y = torch.compile(_norm, fullgraph=True)(x, None)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), None, 1e-6))
+    assert any(k.startswith("rmsnorm.fwd: reference (x dtype torch.float64") for k in T.dispatch_stats()["compiled"])
+    torch._dynamo.reset()
+    with T.fallback_policy("error"), pytest.raises(Exception, match="fallback policy is 'error'"):
+        torch.compile(_norm, fullgraph=True)(x, None)

@@ -29,15 +29,15 @@ def test_every_row_length_is_covered(dtype):
 
 
 def test_dweight_scratch_merges_in_pairs_only_where_it_is_large():
-    """``partial_rows``: one scratch row per row group, or one per pair where the scratch would
-    exceed both MERGE_SCRATCH_BYTES and MERGE_SCRATCH_SHARE of dx. Group counts as on a GPU of
-    132 SMs (``row_groups``) at the benchmark's shapes."""
-    from torch_rmsnorm_op.config import partial_rows
+    """``launch.merged_partials``: one scratch row per row group, or one per pair where the
+    scratch would exceed both MERGE_SCRATCH_BYTES and MERGE_SCRATCH_SHARE of dx. Group counts as
+    on a GPU of 132 SMs (``row_groups``) at the benchmark's shapes."""
+    from torch_rmsnorm_op.launch import merged_partials
 
     bf16, fp32 = torch.bfloat16, torch.float32
-    assert partial_rows(132, 8192, 16384, bf16) == 66  # 256 MiB, N = 16384: 8.25 MiB is 3.2% of dx
-    assert partial_rows(264, 32768, 4096, bf16) == 264  # 256 MiB, N = 4096: 4.1 MiB is 1.6% of dx
-    assert partial_rows(264, 16384, 4096, bf16) == 132  # 128 MiB: 3.2% of dx
-    assert partial_rows(4, 512, 262144, bf16) == 4  # 4 MiB, 1.6% of dx
-    assert partial_rows(16, 128, 257, fp32) == 16  # 16 KiB: not worth the merge's memset and wait
-    assert partial_rows(3, 30, 200000, fp32) == 2  # a lone last group
+    assert merged_partials(132, 8192, 16384, bf16)  # 256 MiB, N = 16384: 8.25 MiB is 3.2% of dx
+    assert not merged_partials(264, 32768, 4096, bf16)  # 256 MiB, N = 4096: 4.1 MiB is 1.6% of dx
+    assert merged_partials(264, 16384, 4096, bf16)  # 128 MiB: 3.2% of dx
+    assert not merged_partials(4, 512, 262144, bf16)  # 4 MiB, 1.6% of dx
+    assert not merged_partials(16, 128, 257, fp32)  # 16 KiB: not worth the merge's memset and wait
+    assert merged_partials(3, 30, 200000, fp32)  # a lone last group

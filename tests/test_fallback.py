@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op import fallback
+from torch_rmsnorm_op import dispatch, fallback
 
 FP64_REASON = "rmsnorm.fwd: x dtype torch.float64 (kernels serve float16, bfloat16, float32)"
 
@@ -48,19 +48,19 @@ def test_error_policy_raises_before_any_output(device):
         with pytest.raises(T.FallbackError, match=r"float64.*set_fallback_policy\('reference'\)"):
             T.rms_norm(x, (8,), w)
     assert T.get_fallback_policy() == "warn"  # the context manager restored it
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}}
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
 
 
 def test_kernel_path_is_counted(device):
     with T.fallback_policy("error"):
         x = torch.randn(4, 16, device=device, requires_grad=True)
         T.rms_norm(x, (16,), None).sum().backward()
-    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}}
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
 
 
 @pytest.mark.parametrize("make,reason", [
     (lambda d: torch.randn(8, 4, device=d).t(), "last dimension is not contiguous"),
-    (lambda d: torch.randn(4, 6, 8, device=d).transpose(0, 1)[:, ::2], "single row stride"),
+    (lambda d: torch.randn(2, 3, 4, 5, 8, device=d).permute(3, 2, 1, 0, 4), "more than three strides"),
 ])
 def test_layout_fallbacks_are_correct(device, make, reason):
     x = make(device)
@@ -71,8 +71,18 @@ def test_layout_fallbacks_are_correct(device, make, reason):
     assert reason in key
 
 
+def test_views_the_kernels_address_need_no_fallback(device):
+    """Rows over two or three strides (a transposed head view, a slice of one) run on the kernels."""
+    base = torch.randn(2, 5, 3, 8, device=device)
+    for x in (base.transpose(1, 2), base.transpose(1, 2)[:, :, 1:], base[0].transpose(0, 1)):
+        with T.fallback_policy("error"):
+            y = T.rms_norm(x, (8,))
+        torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (8,)))
+
+
 def test_n_above_maximum_falls_back(device, monkeypatch):
-    monkeypatch.setattr(fallback, "MAX_N", 64)
+    monkeypatch.setattr(dispatch, "MAX_N", 64)
+    monkeypatch.setattr(dispatch, "_PLANS", {})
     x = torch.randn(2, 65, device=device)
     with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="N = 65 above the kernels' maximum 64"):
         T.rms_norm(x, (65,))
@@ -142,19 +152,18 @@ def test_torch_logs_shows_fallbacks():
 def test_split_mode_needs_resident_programs_and_nvidia(monkeypatch):
     """Split mode's limits on a CUDA device, decided without one: a row's programs must fit on
     the SMs at once, and ROCm gets the fallback (the exchange is PTX)."""
-    from torch_rmsnorm_op import fallback
     from torch_rmsnorm_op.config import backward_config
 
     gpu = torch.device("cuda", 0)
-    split_mode_reason = fallback.split_mode_reason.__wrapped__  # the decision, not its cache
-    monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
+    split_mode_reason = dispatch.split_mode_reason.__wrapped__  # the decision, not its cache
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch.version, "hip", None)
     assert split_mode_reason(16384, torch.bfloat16, gpu) is None  # single-pass
     assert split_mode_reason(1 << 20, torch.float32, gpu) is None  # 128 programs per row
     split = backward_config(1 << 20, torch.float32).split
-    monkeypatch.setattr(fallback, "sm_count", lambda device: split - 1)
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: split - 1)
     assert "more than this GPU's" in split_mode_reason(1 << 20, torch.float32, gpu)
-    monkeypatch.setattr(fallback, "sm_count", lambda device: 132)
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert "NVIDIA PTX" in split_mode_reason(65536, torch.bfloat16, gpu)
     assert split_mode_reason(16384, torch.bfloat16, gpu) is None

@@ -8,7 +8,9 @@ import zipfile
 
 import pytest
 import torch
+from tolerances import MODEL
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch.testing import FileCheck
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op.tools.toy_models import TinyLlama
@@ -36,7 +38,10 @@ def test_compiled_patched_model_matches_stock(device, backend, dynamic):
     compiled = torch.compile(patched, backend=backend, fullgraph=True, dynamic=dynamic)
     T.reset_dispatch_stats()
     out = compiled(tokens)
-    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 5}
+    if device.type == "cuda":  # the graph launches the kernels: decided once per call site, while tracing
+        assert T.dispatch_stats()["compiled"] == {"rmsnorm.fwd: kernel": 5}
+    else:  # one opaque call per norm, run (and counted) at run time
+        assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 5}
     torch.testing.assert_close(out, stock(tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -53,10 +58,12 @@ def test_mark_dynamic_no_recompiles_across_batch_sizes(device):
 
 
 def test_compiled_training_step_matches_eager_stock(device):
+    """Three SGD steps of the compiled patched model against the eager stock one (fp32): the
+    gradients of each step, then the parameters."""
     torch._dynamo.reset()
     stock, patched = _models(device)
-    opt_stock = torch.optim.AdamW(stock.parameters(), lr=1e-2)
-    opt_patched = torch.optim.AdamW(patched.parameters(), lr=1e-2)
+    opt_stock = torch.optim.SGD(stock.parameters(), lr=1e-2)
+    opt_patched = torch.optim.SGD(patched.parameters(), lr=1e-2)
     compiled = torch.compile(patched, fullgraph=True)
     for step in range(3):
         tokens = torch.randint(0, 256, (2, 16), device=device, generator=torch.Generator(device).manual_seed(step))
@@ -64,10 +71,12 @@ def test_compiled_training_step_matches_eager_stock(device):
             opt.zero_grad()
             logits = model(tokens[:, :-1])
             torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-            opt.step()
-    # fp32 throughout; declared before comparing: 3 AdamW steps keep parameters within 1e-4.
+        for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=f"step {step} grad {name}")
+        opt_stock.step()
+        opt_patched.step()
     for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=name)
+        torch.testing.assert_close(b, a, **MODEL[torch.float32], msg=name)
 
 
 @pytest.mark.cuda
@@ -97,7 +106,11 @@ def test_export_and_aoti_package(tmp_path):
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
         text = "".join(z.read(n).decode(errors="ignore") for n in names if n.endswith((".cpp", ".json", ".py")))
-    assert "rmsnorm" in text  # the op is called back through the proxy executor (a Python op: no kernel inside)
+    # The package carries our kernel (its binary and its launch), and no call back into Python
+    # (AOTInductor calls a Python op through its proxy executor).
+    assert any(n.endswith(".cubin") for n in names), names
+    FileCheck().check("_rms_norm_fwd_rows").run(text)
+    assert "aoti_torch_proxy_executor_call_function" not in text
     torch.save(tokens.cpu(), tmp_path / "tokens.pt")
     torch.save(patched(tokens).detach().cpu(), tmp_path / "want.pt")
     code = (
@@ -111,6 +124,6 @@ def test_export_and_aoti_package(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     print(f"aoti load-and-run: rc={run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}")
     if run.returncode < 0:
-        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}): the known "
-                     "environment fault on this machine (SPEC §2.1); the package compiled and was inspected")
+        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); it crashes on "
+                     "this machine for a plain Linear + ReLU model too. The package compiled and was inspected")
     assert run.returncode == 0, run.stderr[-2000:]

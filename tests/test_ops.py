@@ -1,29 +1,65 @@
-"""The ops themselves: opcheck, output metadata, edge shapes, layouts, determinism."""
+"""The ops themselves: opcheck over every kernel mode, output metadata, launch plans, edge
+shapes, layouts, determinism, the dweight reduction, 64-bit offsets."""
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
+from tolerances import TOL, grad_tol
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op import reference
+from torch_rmsnorm_op import _triton_compat, dispatch, launch, reference
+from torch_rmsnorm_op.config import KernelConfig
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
-
-def _samples(device, requires_grad=False):
-    """(x, weight) pairs: dtypes x weight present/absent x contiguous/row-strided, M odd."""
-    for dtype in DTYPES:
-        for with_weight in (True, False):
-            for strided in (False, True):
-                base = torch.randn(5, 3, 40 if strided else 33, device=device, dtype=dtype)
-                x = base[..., :33].detach().requires_grad_(requires_grad)
-                w = torch.randn(33, device=device, dtype=dtype, requires_grad=requires_grad) if with_weight else None
-                yield x, w
+# Small configurations that put the op's calls on each kernel mode (monkeypatched into the
+# table for a test), so that opcheck, which calls the op many times, reaches them all cheaply.
+MODES = {
+    "rows": (KernelConfig(64, 2, 2), KernelConfig(64, 2, 2, programs_per_sm=1)),
+    "looped": (KernelConfig(16, 1, 1, looped=True), KernelConfig(64, 1, 2, programs_per_sm=2, reload=True)),
+    "split": (KernelConfig(16, 1, 1, split=4, programs_per_sm=1, stages=2, interleave=True),
+              KernelConfig(16, 1, 1, split=4, stages=2, interleave=True)),
+}
 
 
-def test_opcheck_fwd_and_bwd(device):
-    for x, w in _samples(device, requires_grad=True):
+@pytest.fixture(params=["table", *MODES])
+def mode(request, monkeypatch):
+    if request.param == "table":
+        return request.param
+    fwd, bwd = MODES[request.param]
+    monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype: fwd)
+    monkeypatch.setattr(dispatch, "backward_config", lambda n, dtype: bwd)
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    return request.param
+
+
+def _sample(device, dtype, with_weight, layout, requires_grad):
+    if layout == "transposed":  # a (B, H, S, D) view of (B, S, H, D): rows over three strides
+        x = torch.randn(2, 3, 2, 33, device=device, dtype=dtype).transpose(1, 2)
+    else:
+        x = torch.randn(5, 3, 40 if layout == "strided" else 33, device=device, dtype=dtype)[..., :33]
+    x = x.detach().requires_grad_(requires_grad)
+    w = torch.randn(33, device=device, dtype=dtype, requires_grad=requires_grad) if with_weight else None
+    return x, w
+
+
+def _samples(device, mode, requires_grad=False):
+    """(x, weight) pairs. With the table's configurations: every dtype, weight present and
+    absent, contiguous and row-strided rows, and a transposed view per dtype; with a forced
+    mode, two of them (its code paths do not depend on the dtype)."""
+    if mode == "table":
+        grid = [(*c, "transposed") for c in itertools.product(DTYPES, (True,))]
+        grid += list(itertools.product(DTYPES, (True, False), ("contiguous", "strided")))
+    else:
+        grid = [(torch.bfloat16, True, "strided"), (torch.float32, False, "transposed")]
+    for dtype, with_weight, layout in grid:
+        yield _sample(device, dtype, with_weight, layout, requires_grad)
+
+
+def test_opcheck_every_mode(device, mode):
+    for x, w in _samples(device, mode, requires_grad=True):
         torch.library.opcheck(torch.ops.rmsnorm.fwd, (x, w, 1e-6))
         y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
         dy = torch.randn_like(y)
@@ -31,9 +67,38 @@ def test_opcheck_fwd_and_bwd(device):
     assert T.dispatch_stats()["fallback"] == {}
 
 
-@pytest.mark.cuda
-def test_opcheck_on_cuda():
-    test_opcheck_fwd_and_bwd(torch.device("cuda"))
+def test_opcheck_add_ops_and_keywords(device, mode):
+    """The fused residual add (residual in x's dtype, or fp32 beside bf16 x), the weight offset,
+    the rounding before the weight and the output dtype."""
+    x, w = _sample(device, torch.bfloat16, True, "transposed" if mode == "split" else "strided", True)
+    for r_dtype in ((torch.bfloat16, torch.float32) if mode == "table" else (torch.bfloat16,)):
+        r = torch.randn(x.shape, device=device, dtype=r_dtype, requires_grad=True)
+        torch.library.opcheck(torch.ops.rmsnorm.add_fwd, (x, r, w, 1e-6))
+        y, s, rstd = torch.ops.rmsnorm.add_fwd(x, r, w, 1e-6)
+        for dres in (None, torch.randn_like(s)):
+            torch.library.opcheck(torch.ops.rmsnorm.add_bwd, (torch.randn_like(y), dres, s.detach(), w.detach(), rstd),
+                                  {"weight_offset": 1.0})
+    kw = {"weight_offset": 1.0, "norm_dtype": torch.bfloat16, "out_dtype": torch.float32}
+    torch.library.opcheck(torch.ops.rmsnorm.fwd, (x, w, 1e-6), kw)
+    assert T.dispatch_stats()["fallback"] == {}
+
+
+def _plan(cfg: KernelConfig, x, w, backward=False, **kw):
+    if backward:
+        return dataclasses.replace(dispatch.backward_plan(x, w, x.dtype, **kw), cfg=cfg)
+    return dataclasses.replace(dispatch.forward_plan(x, w, **kw), cfg=cfg, launcher=None)
+
+
+def _forward(cfg, x, w, y, rstd):
+    launch.forward(_plan(cfg, x, w), x, w, 1e-6, y, rstd)
+
+
+def _backward(cfg, dy, x, w, rstd, dx, dw, workspace=None):
+    launch.backward(_plan(cfg, x, w, backward=True), dy, x, w, rstd, dx, dw, workspace=workspace)
+
+
+def _workspace(cfg, x, w):
+    return launch.backward_workspace(_plan(cfg, x, w, backward=True), x.dtype, x.device)
 
 
 def test_output_metadata(device):
@@ -49,7 +114,7 @@ def test_output_metadata(device):
 
 
 def test_launch_key_is_at_least_as_fine_as_tritons():
-    """``kernels._specialization`` tells apart every pair of arguments Triton's JIT compiles
+    """``_triton_compat.specialization`` tells apart every pair of arguments Triton's JIT compiles
     apart (its own ``native_specialize_impl``), so a compiled kernel launched directly is the
     one the JIT would have picked."""
     try:
@@ -57,20 +122,18 @@ def test_launch_key_is_at_least_as_fine_as_tritons():
         from triton.backends.compiler import BaseBackend
     except ImportError:
         pytest.skip("this Triton has no native_specialize_impl to compare with")
-    from torch_rmsnorm_op import kernels
-
     t = torch.empty(64)
     samples = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31, 2**40, 2**63, 1e-6, 0.5, True, False,
                t, t[1:], t[4:], t[2:], t.half(), t.half()[1:], t.bfloat16(), t.double()]
     for a, b in itertools.product(samples, repeat=2):
-        if kernels._specialization([a]) == kernels._specialization([b]):
+        if _triton_compat.specialization([a]) == _triton_compat.specialization([b]):
             assert native_specialize_impl(BaseBackend, a, False, True, True) == \
                 native_specialize_impl(BaseBackend, b, False, True, True), (a, b)
 
 
 class _CountingCache(dict):
-    """``kernels._COMPILED`` that counts its hits (launches through a compiled kernel's launcher)
-    and its stores (launches through the JIT)."""
+    """``_triton_compat._COMPILED`` that counts its hits (launches through a compiled kernel's
+    launcher) and its stores (launches through the JIT)."""
 
     hits = 0
     stores = 0
@@ -85,82 +148,79 @@ class _CountingCache(dict):
         super().__setitem__(key, value)
 
 
+def _replaying_plans() -> dict:
+    return {key: plan for key, plan in dispatch._PLANS.items() if not isinstance(plan, str) and plan.launcher}
+
+
 @pytest.mark.cuda
 def test_compiled_launches_match_the_jit(monkeypatch):
     """The second launch of a specialization goes through the compiled kernel's own launcher
-    (``kernels._run``), and a forward's third through its launch plan (``kernels._FORWARD_PLANS``,
-    aligned tensors only): the same bits as the JIT's first, for aligned rows then misaligned
-    ones (the JIT compiles those apart; they share a plan key with the aligned ones), M = 1
-    (Triton turns an int 1 into a constant) and odd N, forward and backward. On Triton 3.6 the
-    launches after the JIT's skip the launcher's Python ``__call__`` (``kernels._launcher``)."""
+    (``_triton_compat.run``), and a forward's third through the launch its plan kept
+    (``launch.replay_forward``, aligned tensors only): the same bits as the JIT's first, for
+    aligned rows then misaligned ones (the JIT compiles those apart; they share a plan with
+    the aligned ones), M = 1 (Triton turns an int 1 into a constant) and odd N, forward and
+    backward. On Triton 3.6 the launches after the JIT's skip the launcher's Python
+    ``__call__``."""
     import triton
-
-    from torch_rmsnorm_op import kernels
 
     base = torch.randn(70 * 64 + 8, device="cuda", dtype=torch.bfloat16)
     views = [base[:70 * 64].view(70, 64), base[1:1 + 70 * 64].view(70, 64), base[:64].view(1, 64),
              base[3:3 + 7 * 17].view(7, 17), base[:64].view(1, 64)]
     w = {n: torch.randn(n, device="cuda", dtype=torch.bfloat16) for n in (64, 17)}
-    monkeypatch.setattr(kernels, "_COMPILED", _CountingCache())
-    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
+    monkeypatch.setattr(_triton_compat, "_COMPILED", _CountingCache())
+    monkeypatch.setattr(dispatch, "_PLANS", {})
     results, hits, jit = [], [], []
-    for _ in range(3):  # first through the JIT (but the repeated view), then compiled, then planned
+    for _ in range(3):  # first through the JIT (but the repeated view), then compiled, then replayed
         for x in views:
             y, rstd = torch.ops.rmsnorm.fwd(x, w[x.shape[1]], 1e-6)
             dy = torch.randn_like(y)
             results.append((x, y, rstd, dy, *torch.ops.rmsnorm.bwd(dy, x, w[x.shape[1]], rstd)))
             results[-1] += (T.rms_norm(x, (x.shape[1],), w[x.shape[1]], 1e-6),)  # y alone: no rstd stored
-        hits.append(kernels._COMPILED.hits)
-        jit.append(kernels._COMPILED.stores)
+        hits.append(_triton_compat._COMPILED.hits)
+        jit.append(_triton_compat._COMPILED.stores)
     assert jit[0] == jit[1] == jit[2]  # no JIT launch after the first pass
     assert hits[1] >= 15  # the second pass: forward, backward, dweight reduction
     assert hits[2] - hits[1] < hits[1] - hits[0]  # the third: aligned forwards from their plans
-    assert {key[4:6] for key in kernels._FORWARD_PLANS} == {(70, 64), (1, 64)}  # aligned shapes only
-    if triton.__version__.startswith("3.6."):  # the launcher kernels._launcher calls into directly
-        assert all(launcher.call is launcher.compiled.run.launch for launcher in kernels._COMPILED.values())
+    assert {plan.m for plan in _replaying_plans().values()} == {70, 1}  # aligned shapes only
+    if triton.__version__.startswith("3.6."):  # the C launcher called directly
+        assert all(launcher.call is launcher.compiled.run.launch for launcher in _triton_compat._COMPILED.values())
     for x, y, _, dy, dx, dw, y_alone in results:
         want_y, want_rstd = reference.rms_norm_forward(x.double(), w[x.shape[1]].double(), 1e-6)
-        torch.testing.assert_close(y.double(), want_y, atol=2**-6, rtol=2**-6)
+        torch.testing.assert_close(y.double(), want_y, **TOL[torch.bfloat16])
         assert torch.equal(y_alone, y)
         want_dx, want_dw = reference.rms_norm_backward(dy.double(), x.double(), w[x.shape[1]].double(), want_rstd)
-        torch.testing.assert_close(dx.double(), want_dx, atol=2**-5, rtol=2**-5)
-        torch.testing.assert_close(dw.double(), want_dw, atol=2**-3, rtol=2**-5)
+        torch.testing.assert_close(dx.double(), want_dx, **grad_tol(torch.bfloat16))
+        torch.testing.assert_close(dw.double(), want_dw, atol=2**-3, rtol=2**-5)  # a sum of 70 rows
     for first, later in zip(results[:5] * 2, results[5:]):
         recomputed = torch.ops.rmsnorm.bwd(later[3], first[0], w[first[0].shape[1]], first[2])
         assert torch.equal(first[1], later[1]) and torch.equal(first[2], later[2])
         assert torch.equal(later[4], recomputed[0]) and torch.equal(later[5], recomputed[1])
 
 
-@pytest.mark.cuda
-def test_forward_plans_are_bounded(monkeypatch):
-    """Shapes that keep changing (M) do not grow the forward's launch plans without bound."""
-    from torch_rmsnorm_op import kernels
-
-    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
-    monkeypatch.setattr(kernels, "MAX_FORWARD_PLANS", 4)
-    w = torch.randn(64, device="cuda")
+def test_plans_are_bounded(device, monkeypatch):
+    """Shapes that keep changing (M) do not grow the kept plans without bound."""
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    monkeypatch.setattr(dispatch, "MAX_PLANS", 4)
+    w = torch.randn(64, device=device)
     for m in range(1, 12):
-        x = torch.randn(m, 64, device="cuda")
-        for _ in range(3):
+        x = torch.randn(m, 64, device=device)
+        for _ in range(2):
             torch.testing.assert_close(T.rms_norm(x, (64,), w), torch.nn.functional.rms_norm(x, (64,), w),
-                                       atol=1e-5, rtol=1e-5)
-        assert 1 <= len(kernels._FORWARD_PLANS) <= 4
+                                       **TOL[torch.float32])
+        assert 1 <= len(dispatch._PLANS) <= 4
 
 
-@pytest.mark.cuda
-def test_planned_calls_keep_the_fallback_policy(monkeypatch):
-    """A call from a launch plan skips the fallback decision, which the plan's key fixes: it is
+def test_planned_calls_keep_the_fallback_policy(device, monkeypatch):
+    """A call with a kept plan decides nothing again (its signature fixes the decision): it is
     counted as a kernel call; an input that differs only where the kernels do not serve it
     (float64) still falls back; a strided weight is read as its values (made contiguous)."""
-    from torch_rmsnorm_op import kernels
-
-    monkeypatch.setattr(kernels, "_FORWARD_PLANS", {})
-    x, w = torch.randn(16, 64, device="cuda"), torch.randn(128, device="cuda")
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    x, w = torch.randn(16, 64, device=device), torch.randn(128, device=device)
     for _ in range(4):
         y = T.rms_norm(x, (64,), w[::2])
-    assert len(kernels._FORWARD_PLANS) == 1
-    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w[::2]), atol=1e-5, rtol=1e-5)
-    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 4}, "fallback": {}}
+    assert len(dispatch._PLANS) == 1
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (64,), w[::2]), **TOL[torch.float32])
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 4} and T.dispatch_stats()["fallback"] == {}
     with T.fallback_policy("reference"):
         y64 = T.rms_norm(x.double(), (64,), w[::2].double())
     assert y64.dtype == torch.float64 and T.dispatch_stats()["fallback"]
@@ -187,38 +247,23 @@ def test_launch_hooks_see_compiled_launches():
         torch.cuda.synchronize()
     finally:
         chain.remove(hook)
-    assert seen == ["_rms_norm_fwd"] and torch.equal(y, want)
+    assert seen == ["_rms_norm_fwd_rows"] and torch.equal(y, want)
     T.rms_norm(x, (64,), w)
     assert len(seen) == 1
 
 
-def test_op_matches_launcher_bitwise(device):
-    """The op path and the campaign's launcher path are the same computation."""
-    from torch_rmsnorm_op import kernels
-
-    x = torch.randn(17, 257, device=device)
-    w = torch.randn(257, device=device)
-    y, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)
-    y2, rstd2 = torch.empty_like(x), torch.empty(17, device=device)
-    kernels.launch_forward(x, w, 1e-6, y2, rstd2)
-    assert torch.equal(y, y2) and torch.equal(rstd, rstd2)
-
-
 @pytest.mark.parametrize("mode", ["single-pass", "looped", "split"])
 def test_forward_without_rstd_writes_the_same_y(device, mode):
-    """``launch_forward`` with ``rstd=None`` (``rms_norm`` without a gradient to record) writes
+    """``launch.forward`` with ``rstd=None`` (``rms_norm`` without a gradient to record) writes
     the same y, bit for bit, in each of the forward's three modes."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
     cfg = {"single-pass": KernelConfig(block_n=256, rows=2, num_warps=2),
            "looped": KernelConfig(block_n=64, rows=1, num_warps=1, looped=True),
            "split": KernelConfig(block_n=64, rows=1, num_warps=1, split=4, programs_per_sm=4)}[mode]
     x, w = torch.randn(9, 250, device=device), torch.randn(250, device=device)
     y, rstd = torch.full_like(x, float("nan")), torch.full((9,), float("nan"), device=device)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    _forward(cfg, x, w, y, rstd)
     y_alone = torch.full_like(x, float("nan"))
-    kernels.launch_forward(x, w, 1e-6, y_alone, None, cfg)
+    _forward(cfg, x, w, y_alone, None)
     assert torch.equal(y, y_alone) and not rstd.isnan().any()
     torch.testing.assert_close(y.double(), reference.rms_norm_forward(x.double(), w.double(), 1e-6)[0],
                                atol=1e-5, rtol=1e-4)
@@ -339,7 +384,6 @@ def test_split_mode_row_groups(device, k, e, with_weight, stages, interleave):
     grid of G row groups: one row; groups of one, two and more rows; groups that walk phantom
     rows past M (the last one, or with ``interleave`` the groups whose last row would be past
     M); loads in the loop (``stages`` 1) and prefetched two rows ahead into shared memory (3)."""
-    from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, sm_count
 
     cfg = KernelConfig(block_n=1024, rows=1, num_warps=4, split=4, programs_per_sm=2, stages=stages,
@@ -349,14 +393,14 @@ def test_split_mode_row_groups(device, k, e, with_weight, stages, interleave):
     w = torch.randn(n, device=device) if with_weight else None
     w64 = None if w is None else w.double()
     y, rstd = torch.full_like(x, float("nan")), torch.full((m,), float("nan"), device=device)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    _forward(cfg, x, w, y, rstd)
     y_ref, rstd_ref = reference.rms_norm_forward(x.double(), w64, 1e-6)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
     dx = torch.full_like(x, float("nan"))
     dw = torch.full((n,), float("nan"), device=device) if with_weight else None
-    ws = kernels.backward_workspace(m, n, x.device, x.dtype, cfg) if with_weight else None
-    kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
+    ws = _workspace(cfg, x, w) if with_weight else None
+    _backward(cfg, dy, x, w, rstd, dx, dw, ws)
     dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w64, rstd.double())
     torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
     if with_weight:
@@ -369,7 +413,6 @@ def test_single_pass_backward_forms_agree(device):
     ragged last tile: the reference's values; the same bits from both loop forms. (With and
     without the reload, the compiler fuses multiply-adds differently: on the H200 the bits
     differed, within the tolerance.)"""
-    from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import KernelConfig, row_groups
 
     m, n = 23, 40
@@ -383,7 +426,7 @@ def test_single_pass_backward_forms_agree(device):
         groups, per_group = row_groups(m, n, torch.device(device), cfg)
         assert groups >= 2 and m % per_group % cfg.rows != 0, (groups, per_group)  # last group, tile ragged
         dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
-        kernels.launch_backward(dy, x, w, rstd, dx, dw, kernels.backward_workspace(m, n, x.device, x.dtype, cfg), cfg)
+        _backward(cfg, dy, x, w, rstd, dx, dw, _workspace(cfg, x, w))
         torch.testing.assert_close(dx.double(), dx_ref, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(dw.double(), dw_ref, atol=1e-4, rtol=1e-4)
         outs[counted, reload, stages] = dx, dw
@@ -418,23 +461,19 @@ def test_looped_forward(device, has_weight, stages, mask_free, n):
     ``block_n`` steps), a ragged last step (N = 300: 128, 128, 44; ``mask_free`` must keep its
     masks there) or whole steps (256, where ``mask_free`` drops them and the loops have a
     constant length), strided rows: the reference's values, and nothing written past the row."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
     m = 5
     x = torch.randn(m, n + 20, device=device)[:, :n]
     w = torch.randn(n, device=device) if has_weight else None
     out = torch.full((m, n + 20), float("nan"), device=device)
     y, rstd = out[:, :n], torch.full((m,), float("nan"), device=device)
     cfg = KernelConfig(block_n=128, rows=1, num_warps=1, looped=True, stages=stages, mask_free=mask_free)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    _forward(cfg, x, w, y, rstd)
     y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
     assert out[:, n:].isnan().all()
-    assert kernels.constexprs(cfg, False, has_weight, exact_tiles=kernels.exact_tiles(cfg, m, n))["UNMASKED"] == (
-        mask_free and n == 256)
-    assert kernels.loop_steps(cfg, m, n) == (2 if mask_free and n == 256 else 0)  # loops of known length
+    assert (cfg.mask_free and launch.exact_tiles(cfg, m, n)) == (mask_free and n == 256)  # no masks
+    assert launch.loop_steps(cfg, m, n) == (2 if mask_free and n == 256 else 0)  # loops of known length
 
 
 @pytest.mark.parametrize("has_weight", [True, False])
@@ -443,22 +482,17 @@ def test_single_pass_forward_without_masks(device, has_weight, m, n):
     """A ``mask_free`` single-pass forward: without masks only where its tiles cover x exactly
     (M a multiple of its rows, N of its block); ragged rows or columns keep them. Strided rows:
     the reference's values, nothing written past a row."""
-    from torch_rmsnorm_op import kernels
-    from torch_rmsnorm_op.config import KernelConfig
-
     x = torch.randn(m, n + 20, device=device)[:, :n]
     w = torch.randn(n, device=device) if has_weight else None
     out = torch.full((m, n + 20), float("nan"), device=device)
     y, rstd = out[:, :n], torch.full((m,), float("nan"), device=device)
     cfg = KernelConfig(block_n=64, rows=4, num_warps=1, mask_free=True)
-    kernels.launch_forward(x, w, 1e-6, y, rstd, cfg)
+    _forward(cfg, x, w, y, rstd)
     y_ref, rstd_ref = reference.rms_norm_forward(x.double(), None if w is None else w.double(), 1e-6)
     torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(rstd.double(), rstd_ref, atol=1e-5, rtol=1e-4)
     assert out[:, n:].isnan().all()
-    exact = kernels.exact_tiles(cfg, m, n)
-    assert exact == (m % 4 == 0 and n == 64)
-    assert kernels.constexprs(cfg, False, has_weight, exact_tiles=exact)["UNMASKED"] == exact
+    assert launch.exact_tiles(cfg, m, n) == (m % 4 == 0 and n == 64)
 
 
 @pytest.mark.cuda
@@ -481,27 +515,26 @@ def test_tensors_off_the_current_device():
 @pytest.mark.parametrize("m", [5, 8])
 @pytest.mark.parametrize("split", [1, 2])
 def test_dweight_partials_merge_in_pairs(device, monkeypatch, m, split, merge):
-    """Above ``config.MERGE_SCRATCH_BYTES`` (and share) of scratch two row groups share one row of it
-    (``kernels._merge_partial``): row j holds the sum of groups 2j and 2j + 1 (a lone last group
+    """Above ``MERGE_SCRATCH_BYTES`` (and share) of scratch two row groups share one row of it
+    (``kernels.common._merge_partial``): row j holds the sum of groups 2j and 2j + 1 (a lone last group
     when their count is odd); below, row j is group j's. Every row is written, and the scratch
     has no rows beyond the partials (one reduce stage)."""
-    from torch_rmsnorm_op import config, kernels
-    from torch_rmsnorm_op.config import KernelConfig, cdiv, row_groups
+    from torch_rmsnorm_op.config import cdiv, row_groups
 
     n = 96
-    monkeypatch.setattr(config, "MERGE_SCRATCH_BYTES", 0 if merge else m * n * 4)
-    monkeypatch.setattr(config, "MERGE_SCRATCH_SHARE", 0)
+    monkeypatch.setattr(launch, "MERGE_SCRATCH_BYTES", 0 if merge else m * n * 4)
+    monkeypatch.setattr(launch, "MERGE_SCRATCH_SHARE", 0)
     cfg = KernelConfig(block_n=128 // split, rows=1, num_warps=1, split=split, programs_per_sm=2 * split)
     groups, per_group = row_groups(m, n, torch.device(device), cfg)
     assert (groups, per_group) == (m, 1)
     x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
     _, rstd = reference.rms_norm_forward(x, None, 1e-6)
-    ws = kernels.backward_workspace(m, n, x.device, x.dtype, cfg).fill_(float("nan"))
+    ws = _workspace(cfg, x, w).fill_(float("nan"))
     per_row = dy.double() * x.double() * rstd.double()[:, None]  # each group is one row here
     want = torch.stack([per_row[2 * j:2 * j + 2].sum(0) for j in range(cdiv(m, 2))]) if merge else per_row
     assert ws.shape == want.shape
     dx, dw = torch.empty_like(x), torch.full_like(w, float("nan"))
-    kernels.launch_backward(dy, x, w, rstd, dx, dw, ws, cfg)
+    _backward(cfg, dy, x, w, rstd, dx, dw, ws)
     torch.testing.assert_close(ws.double(), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw.double(), per_row.sum(0), atol=1e-5, rtol=1e-5)
 
@@ -525,7 +558,6 @@ def test_dweight_bits_do_not_depend_on_which_group_finishes_first(m, n):
 def test_dweight_reduction_stages(device, splits):
     """The dweight reduction, one stage or two (a ragged last split, columns past a tile):
     every partial row counted once, and the same bits on a second run."""
-    from torch_rmsnorm_op import kernels
     from torch_rmsnorm_op.config import REDUCE_BLOCK_P
 
     # More rows than a tile's (in every stage with splits 1 and 3); N past a whole number of
@@ -536,7 +568,7 @@ def test_dweight_reduction_stages(device, splits):
     for _ in range(2):
         mid = torch.full((splits, n), float("nan"), device=device)
         dw = torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16)
-        kernels.reduce_dweight(partial, dw, mid)
+        launch.reduce_dweight(partial, dw, mid)
         outs.append(dw)
     torch.testing.assert_close(outs[0].double(), partial.double().sum(0), atol=2**-6, rtol=2**-7)
     assert torch.equal(outs[0], outs[1])

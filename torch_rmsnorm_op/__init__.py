@@ -14,8 +14,8 @@ from torch_rmsnorm_op.fallback import (
     reset_dispatch_stats,
     set_fallback_policy,
 )
+from torch_rmsnorm_op.functional import add_rms_norm, rms_norm
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.ops import add_rms_norm, rms_norm
 from torch_rmsnorm_op.patch import PatchedRMSNorm, PatchReport, patch_rmsnorm, patched_rmsnorm, unpatch_rmsnorm
 
 __all__ = [

@@ -233,15 +233,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def partial_rows(groups: int, m: int, n: int, dtype: torch.dtype) -> int:
-    """Rows of dweight scratch for ``groups`` backward row groups over [m, n] rows of ``dtype``:
-    one per group, or one per pair of groups when that scratch would exceed both
-    MERGE_SCRATCH_BYTES and MERGE_SCRATCH_SHARE of dx."""
-    scratch = groups * n * 4
-    merge = scratch > MERGE_SCRATCH_BYTES and scratch > MERGE_SCRATCH_SHARE * m * n * dtype.itemsize
-    return cdiv(groups, 2) if merge else groups
-
-
 def reduce_tile(rows: int) -> tuple[int, int]:
     """``(BLOCK_P, BLOCK_N)`` of a dweight reduction stage that sums ``rows`` rows per column."""
     block_p = min(REDUCE_BLOCK_P, next_power_of_2(rows))

@@ -88,13 +88,40 @@ def check_functional_args(
     return shape
 
 
-def check_forward_args(x: Tensor, weight: Tensor | None) -> None:
-    """Validate ``rmsnorm::fwd(x, weight, eps)``: normalizes over x's last dim."""
-    op = "rmsnorm.fwd"
+def check_eps(eps: object) -> None:
+    """``eps`` must be a real number (a bool, str or tensor is refused, as ``F.rms_norm`` does)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"rms_norm(): argument 'eps' must be float, not {type(eps).__name__}")
+
+
+def _check_dtype_arg(op: str, name: str, dtype: torch.dtype | None) -> None:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise RMSNormDTypeError(f"{op}: {name} must be None or a real floating-point dtype, got {dtype}")
+
+
+def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
+                       out_dtype: torch.dtype | None = None, op: str = "rmsnorm.fwd") -> None:
+    """Validate ``rmsnorm::fwd(x, weight, eps, norm_dtype=..., out_dtype=...)``: normalizes over
+    x's last dim."""
     if x.dim() < 1:
         raise RMSNormInputError(f"{op}: x must have at least 1 dimension (the normalized one), got a 0-dim tensor")
     _check_real_float("x", x, op)
     _check_weight(op, x, weight)
+    _check_dtype_arg(op, "norm_dtype", norm_dtype)
+    _check_dtype_arg(op, "out_dtype", out_dtype)
+
+
+def check_add_args(x: Tensor, residual: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
+                   out_dtype: torch.dtype | None = None) -> None:
+    """Validate ``rmsnorm::add_fwd(x, residual, weight, eps, ...)``: residual has x's shape and
+    device and a real floating-point dtype (they are added as torch adds them, no broadcast)."""
+    op = "rmsnorm.add_fwd"
+    check_forward_args(x, weight, norm_dtype, out_dtype, op)
+    if residual.device != x.device:
+        raise RMSNormInputError(f"{op}: residual must be on x's device (residual: {residual.device}, x: {x.device})")
+    if residual.shape != x.shape:
+        raise RMSNormInputError(f"{op}: residual must have x's shape {_shape(x)}, got {_shape(residual)}")
+    _check_real_float("residual", residual, op)
 
 
 def _check_weight(op: str, x: Tensor, weight: Tensor | None) -> None:
@@ -112,15 +139,19 @@ def _check_weight(op: str, x: Tensor, weight: Tensor | None) -> None:
         raise RMSNormDTypeError(f"{op}: weight must be real, got {weight.dtype}")
 
 
-def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor) -> None:
-    """Validate ``rmsnorm::bwd(dy, x, weight, rstd)`` against the forward's contract."""
-    op = "rmsnorm.bwd"
-    check_forward_args(x, weight)
-    if dy.device != x.device:
-        raise RMSNormInputError(f"{op}: dy must be on x's device (dy: {dy.device}, x: {x.device})")
-    if dy.shape != x.shape:
-        raise RMSNormInputError(f"{op}: dy must have x's shape {_shape(x)}, got {_shape(dy)}")
-    _check_real_float("dy", dy, op)
+def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
+                        dresidual_out: Tensor | None = None, op: str = "rmsnorm.bwd") -> None:
+    """Validate ``rmsnorm::bwd(dy, x, weight, rstd)`` (or ``add_bwd``, x being the forward's
+    ``residual_out``) against the forward's contract."""
+    check_forward_args(x, weight, op=op)
+    for name, t in (("dy", dy), ("dresidual_out", dresidual_out)):
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise RMSNormInputError(f"{op}: {name} must be on x's device ({name}: {t.device}, x: {x.device})")
+        if t.shape != x.shape:
+            raise RMSNormInputError(f"{op}: {name} must have x's shape {_shape(x)}, got {_shape(t)}")
+        _check_real_float(name, t, op)
     want = computation_dtype(x.dtype)
     if rstd.device != x.device:
         raise RMSNormInputError(f"{op}: rstd must be on x's device (rstd: {rstd.device}, x: {x.device})")

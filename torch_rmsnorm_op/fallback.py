@@ -1,10 +1,9 @@
 """The fallback policy: when the Triton kernels do not serve a valid input, what happens.
 
-Fallback reasons are inputs that are valid but outside the kernels' reach:
-no Triton-capable device, a dtype other than fp16/bf16/fp32, a last dim that
-is not contiguous (or rows that cannot be addressed with one row stride), N
-above ``config.MAX_N``. Invalid inputs are not fallbacks: they raise
-(``contract.py``).
+Fallback reasons are inputs that are valid but outside the kernels' reach
+(``dispatch.py`` decides them): no Triton-capable device, a dtype other than
+fp16/bf16/fp32, rows the kernels cannot address without a copy, N above
+``config.MAX_N``. Invalid inputs are not fallbacks: they raise (``contract.py``).
 
 Policies:
     ``"reference"``  run the PyTorch reference and count it;
@@ -21,7 +20,6 @@ logger, so ``TORCH_LOGS=+torch_rmsnorm_op`` shows them.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import sys
@@ -31,10 +29,6 @@ from collections import Counter
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor
-
-from torch_rmsnorm_op.config import MAX_N, backward_config, forward_config, sm_count
-from torch_rmsnorm_op.layout import row_stride
 
 log = logging.getLogger("torch_rmsnorm_op")
 
@@ -42,12 +36,11 @@ POLICIES = ("reference", "warn", "error")
 DEFAULT_POLICY = "warn"
 ENV_VAR = "TORCH_RMSNORM_OP_FALLBACK"
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 _lock = threading.Lock()
 _policy: str | None = None  # set explicitly; None means "environment, else default"
 _kernel_calls: Counter[str] = Counter()
 _fallback_calls: Counter[tuple[str, str]] = Counter()
+_compiled: Counter[str] = Counter()  # decisions taken while tracing a compiled graph
 _warned: set[str] = set()
 
 
@@ -92,67 +85,20 @@ def fallback_policy(policy: str) -> Iterator[None]:
         _policy = previous
 
 
-@functools.cache
-def _interpreted() -> bool:
-    from torch_rmsnorm_op.kernels import is_interpreted  # defines the kernels on first use
-
-    return is_interpreted()
-
-
-def kernel_unsupported_reason(x: Tensor, weight: Tensor | None) -> str | None:
-    """Why the Triton kernels cannot serve this (valid) input, or None if they can."""
-    device = x.device
-    reason = _device_dtype_reason(device, x.dtype, None if weight is None else weight.dtype)
-    if reason is not None:
-        return reason
-    n = x.shape[-1]
-    if n > MAX_N:
-        return f"N = {n} above the kernels' maximum {MAX_N}"
-    if row_stride(x) is None:
-        if n > 1 and x.stride(-1) != 1:
-            return "x's last dimension is not contiguous"
-        return "x's rows cannot be addressed with a single row stride"
-    if device.type == "cuda":
-        return split_mode_reason(n, x.dtype, device)
-    return None
-
-
-@functools.cache  # fixed per device and dtypes; kernel_unsupported_reason runs on every call
-def _device_dtype_reason(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> str | None:
-    """Why the kernels cannot serve x of ``dtype`` (and a weight of ``weight_dtype``) on ``device``."""
-    if device.type == "cpu":
-        if not _interpreted():
-            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
-    elif device.type != "cuda":
-        return f"no Triton kernel for device type {device.type!r}"
-    if dtype not in KERNEL_DTYPES:
-        return f"x dtype {dtype} (kernels serve float16, bfloat16, float32)"
-    if weight_dtype is not None and weight_dtype not in KERNEL_DTYPES:
-        return f"weight dtype {weight_dtype} (kernels serve float16, bfloat16, float32)"
-    return None
-
-
-@functools.cache  # its inputs are fixed per (n, dtype, device); it runs on every CUDA call
-def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why split mode (long rows) cannot run rows of ``n`` on this GPU, or None: a row's programs
-    must all be resident at once (each waits for the others' partials), so never more of them
-    than the GPU has multiprocessors; and their exchange is inline NVIDIA PTX (not ROCm)."""
-    split = max(forward_config(n, dtype).split, backward_config(n, dtype).split)
-    if split > sm_count(device):
-        return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
-    if split > 1 and torch.version.hip is not None:
-        return f"N = {n} needs split mode, whose exchange between programs is NVIDIA PTX (kernels.py)"
-    return None
-
-
-def record_kernel(op: str) -> None:
-    """Count one call served by the Triton kernels."""
+def record_kernel(op: str, compiled: bool = False) -> None:
+    """Count one call served by the Triton kernels; with ``compiled``, one call site of a
+    compiled graph whose launch the graph now holds (decided once, while tracing)."""
     with _lock:
-        _kernel_calls[op] += 1
+        if compiled:
+            _compiled[f"{op}: kernel"] += 1
+        else:
+            _kernel_calls[op] += 1
 
 
-def record_fallback(op: str, reason: str) -> None:
-    """Apply the policy to one fallback: raise, or count, log and maybe warn."""
+def record_fallback(op: str, reason: str, compiled: bool = False) -> None:
+    """Apply the policy to one fallback: raise, or count, log and maybe warn. With
+    ``compiled``, the fallback is a call site of a compiled graph, decided while tracing: the
+    graph then holds the reference's operations, and "error" raises while compiling."""
     policy = get_fallback_policy()
     if policy == "error":
         raise FallbackError(
@@ -162,7 +108,10 @@ def record_fallback(op: str, reason: str) -> None:
             "reference instead."
         )
     with _lock:
-        _fallback_calls[(op, reason)] += 1
+        if compiled:
+            _compiled[f"{op}: reference ({reason})"] += 1
+        else:
+            _fallback_calls[(op, reason)] += 1
         first = reason not in _warned
         _warned.add(reason)
     log.debug("%s: PyTorch reference fallback (%s)", op, reason)
@@ -189,11 +138,16 @@ def _caller_stacklevel() -> int:
 
 
 def dispatch_stats() -> dict[str, dict[str, int]]:
-    """Counts since the last reset: ``{"kernel": {op: n}, "fallback": {"op: reason": n}}``."""
+    """Counts since the last reset: ``{"kernel": {op: n}, "fallback": {"op: reason": n},
+    "compiled": {"op: kernel" or "op: reference (reason)": n}}``. ``kernel`` and ``fallback``
+    count calls that ran; ``compiled`` counts the call sites of compiled graphs, decided once
+    while the graph was traced (the graph then launches the kernels, or runs the reference's
+    operations, on every call without counting them)."""
     with _lock:
         return {
             "kernel": dict(_kernel_calls),
             "fallback": {f"{op}: {reason}": n for (op, reason), n in _fallback_calls.items()},
+            "compiled": dict(_compiled),
         }
 
 
@@ -202,4 +156,5 @@ def reset_dispatch_stats() -> None:
     with _lock:
         _kernel_calls.clear()
         _fallback_calls.clear()
+        _compiled.clear()
         _warned.clear()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from torch_rmsnorm_op.ops import rms_norm
+from torch_rmsnorm_op.functional import rms_norm
 
 
 class RMSNorm(nn.RMSNorm):

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from torch_rmsnorm_op.fallback import fallback_policy
+from torch_rmsnorm_op.functional import rms_norm
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.ops import rms_norm
 
 # transformers marks its RMSNorms (kernel_layer_name) only where the optional `kernels`
 # package is installed, and not at all before 4.52. These classes have Llama's forward,

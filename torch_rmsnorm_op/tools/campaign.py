@@ -89,9 +89,10 @@ def compare(quantity: str, out: Tensor, ref: Tensor, atol: float, rtol: float) -
 
 
 def run_case(case: Case, device: torch.device, kernels: ModuleType | None = None, seed: int = 0) -> list[Comparison]:
-    """Run one case through ``kernels``' launchers (default: the package's) and compare."""
-    if kernels is None:
-        from torch_rmsnorm_op import kernels
+    """Run one case through the launchers, with ``kernels`` (a namespace holding kernels of the
+    package's names; default: the package's), and compare."""
+    from torch_rmsnorm_op import dispatch, launch
+
     gen = torch.Generator().manual_seed(seed + hash(str(case)) % 2**31)
     m, n, dtype = case.m, case.n, case.dtype
     x = _rows(m, n, dtype, device, case.strided, gen)
@@ -103,11 +104,12 @@ def run_case(case: Case, device: torch.device, kernels: ModuleType | None = None
     nan = float("nan")
     y = torch.full((m, n), nan, dtype=dtype, device=device)
     rstd = torch.full((m,), nan, dtype=torch.float32, device=device)
-    kernels.launch_forward(x, w, EPS, y, rstd)
+    launch.forward(dispatch.forward_plan(x, w), x, w, EPS, y, rstd, kernels=kernels)
     dx = torch.full((m, n), nan, dtype=dtype, device=device)
     dw = None if w is None else torch.full((n,), nan, dtype=dtype, device=device)
-    workspace = kernels.backward_workspace(m, n, x.device, dtype).fill_(nan)
-    kernels.launch_backward(dy, x, w, rstd, dx, dw, workspace)
+    plan = dispatch.backward_plan(x, w, dy.dtype)
+    workspace = launch.backward_workspace(plan, dtype, x.device).fill_(nan)
+    launch.backward(plan, dy, x, w, rstd, dx, dw, workspace=workspace, kernels=kernels)
 
     x64, dy64 = x.double().cpu(), dy.double().cpu()
     w64 = None if w is None else w.double().cpu()
@@ -128,7 +130,7 @@ def run_case(case: Case, device: torch.device, kernels: ModuleType | None = None
 
 def best_device() -> tuple[torch.device, str]:
     """CUDA when present, else the CPU through the Triton interpreter; with a description."""
-    from torch_rmsnorm_op.kernels import is_interpreted
+    from torch_rmsnorm_op._triton_compat import is_interpreted
 
     if torch.cuda.is_available() and not is_interpreted():
         return torch.device("cuda"), f"CUDA ({torch.cuda.get_device_name()})"

@@ -1,0 +1,116 @@
+"""Every kernel strategy (rows, looped, split) with every feature (weight and its offset, the
+rounding before the weight, the fused residual add, multi-stride rows), against the reference.
+
+The launchers run with a forced configuration so that small shapes reach each strategy; the
+outputs are poisoned (NaN) first, so an unwritten element fails.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from tolerances import TOL
+
+from torch_rmsnorm_op import dispatch, launch, reference
+from torch_rmsnorm_op.config import KernelConfig
+from torch_rmsnorm_op.layout import row_layout
+
+EPS = 1e-6
+
+FORWARD = {
+    "rows": KernelConfig(64, 4, 2),
+    "rows-unmasked": KernelConfig(64, 4, 2, mask_free=True),
+    "looped": KernelConfig(16, 1, 4, looped=True),
+    "looped-unmasked": KernelConfig(16, 1, 4, looped=True, mask_free=True),
+    "split": KernelConfig(16, 1, 4, split=4, programs_per_sm=1, stages=2, interleave=True),
+}
+BACKWARD = {
+    "rows": KernelConfig(64, 2, 4, programs_per_sm=1),
+    "rows-counted-reload": KernelConfig(64, 2, 4, programs_per_sm=2, counted_loop=True, reload=True),
+    "split": KernelConfig(16, 1, 4, split=4, stages=2, interleave=True),
+}
+
+
+def _input(kind: str, m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """x of shape [..., n] with ``m`` rows: contiguous, row-strided, or a transposed head view."""
+    if kind == "contiguous":
+        return torch.randn(m, n, dtype=dtype, device=device)
+    if kind == "row-strided":
+        return torch.randn(m, n + 5, dtype=dtype, device=device)[:, :n]
+    assert kind == "transposed" and m % 6 == 0
+    return torch.randn(2, m // 6, 3, n, dtype=dtype, device=device).transpose(1, 2)  # (2, 3, m/6, n)
+
+
+def _poison(shape, dtype, device):
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _forward(strategy, x, w, r, offset, norm_dtype):
+    plan = dispatch.forward_plan(x, w, r, norm_dtype=norm_dtype, weight_offset=offset)
+    assert not isinstance(plan, str), plan
+    plan = dataclasses.replace(plan, cfg=FORWARD[strategy], launcher=None)
+    sum_dtype = x.dtype if r is None else torch.promote_types(x.dtype, r.dtype)
+    y = _poison(x.shape, sum_dtype, x.device)
+    h = None if r is None else _poison(x.shape, sum_dtype, x.device)
+    rstd = _poison(x.shape[:-1], torch.float32, x.device)
+    launch.forward(plan, x, w, EPS, y, rstd, r, h)
+    return y, h, rstd
+
+
+@pytest.mark.parametrize("strategy", list(FORWARD))
+@pytest.mark.parametrize("layout", ["contiguous", "row-strided", "transposed"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_forward_strategies(device, strategy, layout, residual):
+    n = 48 if strategy.endswith("unmasked") else 60
+    m = 12 if not strategy.startswith("rows-unmasked") else 12
+    dtype = torch.bfloat16
+    x = _input(layout, m, n, dtype, device)
+    assert row_layout(x).dims == {"contiguous": 1, "row-strided": 1, "transposed": 3}[layout]
+    r = torch.randn(x.shape, dtype=torch.float32 if strategy == "split" else dtype, device=device) if residual else None
+    w = torch.randn(n, dtype=torch.float32, device=device)
+    for offset, norm_dtype in ((0.0, None), (1.0, torch.bfloat16)):
+        y, h, rstd = _forward(strategy, x, w, r, offset, norm_dtype)
+        if r is None:
+            y_ref, rstd_ref = reference.rms_norm_forward(x.double(), w.double(), EPS, offset, norm_dtype)
+        else:
+            y_ref, h_ref, rstd_ref = reference.add_rms_norm_forward(x, r, w, EPS, offset, norm_dtype)
+            assert torch.equal(h, h_ref)  # the sum exactly as torch adds
+            y_ref, rstd_ref = reference.rms_norm_forward(h_ref.double(), w.double(), EPS, offset, norm_dtype)
+        torch.testing.assert_close(y.double(), y_ref.to(y.dtype).double(), **TOL[y.dtype])
+        torch.testing.assert_close(rstd.double(), rstd_ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("strategy", list(BACKWARD))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("residual_grad", [False, True])
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_backward_strategies(device, strategy, layout, residual_grad, with_weight):
+    n, m = 60, 18
+    x = _input(layout, m, n, torch.float32, device)
+    w = torch.randn(n, device=device) if with_weight else None
+    dy = torch.randn(x.shape, device=device)
+    dres = torch.randn(x.shape, device=device) if residual_grad else None
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dataclasses.replace(dispatch.backward_plan(x, w, dy.dtype, weight_offset=0.5), cfg=BACKWARD[strategy])
+    dx = _poison(x.shape, x.dtype, device)
+    dw = None if w is None else _poison(w.shape, w.dtype, device)
+    launch.backward(plan, dy, x, w, rstd, dx, dw, dres)
+    dx_ref, dw_ref = reference.add_rms_norm_backward(dy.double(), None if dres is None else dres.double(),
+                                                     x.double(), None if w is None else w.double(), rstd, 0.5)
+    torch.testing.assert_close(dx.double(), dx_ref, **TOL[torch.float32])
+    if w is not None:
+        torch.testing.assert_close(dw.double(), dw_ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("strategy", ["rows", "split"])
+def test_backward_is_bitwise_deterministic(device, strategy):
+    x = torch.randn(40, 60, device=device)
+    w, dy = torch.randn(60, device=device), torch.randn(40, 60, device=device)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dataclasses.replace(dispatch.backward_plan(x, w, dy.dtype), cfg=BACKWARD[strategy])
+    outs = []
+    for _ in range(2):
+        dx, dw = torch.empty_like(x), torch.empty_like(w)
+        launch.backward(plan, dy, x, w, rstd, dx, dw)
+        outs.append((dx, dw))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -1,0 +1,59 @@
+"""The private torch APIs the package relies on, in one place, each where no public API does
+the job. Checked on torch 2.11 and 2.13.
+
+- ``functorch_transform()``: the innermost torch.func transform (``torch._C._functorch``), to
+  route transforms the ops' autograd formula does not serve to the reference;
+- ``dispatcher_has_nothing_to_do()``: the dispatcher state checks behind ``rms_norm``'s eager
+  shortcut (autocast, torch function and dispatch modes, functorch, ``torch.jit.trace``);
+- ``FunctionalTensorMode`` and ``decomposing_custom_triton_ops()``: where AOTAutograd
+  functionalizes a graph, the ops decompose into their kernel launches (as
+  ``torch.library.triton_op`` does), except while ``torch.export`` keeps custom ops whole;
+- ``register_triton_kernels(op, kernels)``: the kernels' source joins AOTAutograd's cache key
+  for graphs that call the op (as ``torch.library.triton_op`` registers its own).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._C._functorch import TransformType, peek_interpreter_stack
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+__all__ = [
+    "FunctionalTensorMode",
+    "decomposing_custom_triton_ops",
+    "dispatcher_has_nothing_to_do",
+    "functorch_transform",
+    "register_triton_kernels",
+]
+
+
+def functorch_transform() -> str | None:
+    """The name of the innermost active torch.func transform other than vmap, or None."""
+    interpreter = peek_interpreter_stack()
+    if interpreter is not None and interpreter.key() != TransformType.Vmap:
+        return interpreter.key().name
+    return None
+
+
+def dispatcher_has_nothing_to_do() -> bool:
+    """No autocast, no torch function or dispatch mode, no torch.func transform (vmap
+    included: its batched tensors look plain to Python), not recorded by ``torch.jit.trace``."""
+    return (
+        not torch._C._is_any_autocast_enabled()
+        and torch._C._len_torch_function_stack() == 0
+        and torch._C._len_torch_dispatch_stack() == 0
+        and peek_interpreter_stack() is None
+        and not torch._C._is_tracing()  # torch.jit.is_tracing() outside TorchScript
+    )
+
+
+def decomposing_custom_triton_ops() -> bool:
+    """False while ``torch.export`` keeps custom Triton ops whole in the exported program."""
+    return bool(getattr(torch._functorch.config, "decompose_custom_triton_ops", True))
+
+
+def register_triton_kernels(op: str, kernels: list) -> None:
+    """Make ``kernels``' source part of AOTAutograd's cache key for graphs calling ``op``."""
+    registry = getattr(torch._library.triton, "triton_ops_to_kernels", None)
+    if registry is not None:
+        registry[op] = list(kernels)

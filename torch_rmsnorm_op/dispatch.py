@@ -1,0 +1,163 @@
+"""The one decision: do the Triton kernels serve this call, and how. ``forward_plan`` and
+``backward_plan`` return a launch plan (``Plan``) or the reason the kernels do not serve the
+input; everything else asks them.
+
+Reasons are inputs that are valid but outside the kernels' reach (``fallback.py`` applies the
+policy to them): no Triton-capable device, a dtype other than fp16/bf16/fp32, rows the kernels
+cannot address without a copy, N above ``config.MAX_N``, a split mode the GPU cannot run.
+Invalid inputs are not reasons: they raise earlier (``contract.py``). Eager plans are kept
+per input signature (device, dtypes, shape, strides, options), so a repeated call decides
+nothing again; the signature fixes every input of the decision.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from torch_rmsnorm_op.config import MAX_N, KernelConfig, backward_config, forward_config, sm_count
+from torch_rmsnorm_op.layout import RowLayout, row_layout, row_stride
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# ROUND codes of the kernels (kernels.common._round): the dtype x * rstd is rounded to first.
+ROUND_CODES = {None: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 0}
+
+
+@dataclass
+class Plan:
+    """How the kernels run one call: the configuration, x's row layout, the sizes, and the
+    options fixed at the call (``round_code``, ``weight_offset``, whether rstd is stored).
+    ``launcher`` is filled in by ``launch.py`` for eager forward plans it can replay."""
+
+    cfg: KernelConfig
+    layout: RowLayout
+    m: int
+    n: int
+    round_code: int = 0
+    weight_offset: float = 0.0
+    store_rstd: bool = True
+    launcher: object = field(default=None, compare=False)
+    replay: tuple = field(default=(), compare=False)
+
+
+@functools.cache
+def _interpreted() -> bool:
+    from torch_rmsnorm_op._triton_compat import is_interpreted  # defines the kernels on first use
+
+    return is_interpreted()
+
+
+@functools.cache  # fixed per device and dtypes
+def _device_dtype_reason(device: torch.device, dtypes: tuple[torch.dtype | None, ...]) -> str | None:
+    if device.type == "cpu":
+        if not _interpreted():
+            return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
+    elif device.type != "cuda":
+        return f"no Triton kernel for device type {device.type!r}"
+    names = ("x", "weight", "residual", "dy")
+    for name, dtype in zip(names, dtypes):
+        if dtype is not None and dtype not in KERNEL_DTYPES:
+            return f"{name} dtype {dtype} (kernels serve float16, bfloat16, float32)"
+    return None
+
+
+@functools.cache  # fixed per (n, dtype, device)
+def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why split mode (long rows) cannot run rows of ``n`` on this GPU, or None: a row's programs
+    must all be resident at once (each waits for the others' partials), so never more of them
+    than the GPU has multiprocessors; and their exchange is inline NVIDIA PTX (not ROCm)."""
+    split = max(forward_config(n, dtype).split, backward_config(n, dtype).split)
+    if split > sm_count(device):
+        return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
+    if split > 1 and torch.version.hip is not None:
+        return f"N = {n} needs split mode, whose exchange between programs is NVIDIA PTX (kernels/split.py)"
+    return None
+
+
+def _reason(x: Tensor, dtypes: tuple[torch.dtype | None, ...]) -> str | None:
+    reason = _device_dtype_reason(x.device, dtypes)
+    if reason is not None:
+        return reason
+    n = x.shape[-1]
+    if n > MAX_N:
+        return f"N = {n} above the kernels' maximum {MAX_N}"
+    if x.device.type == "cuda":
+        return split_mode_reason(int(n), x.dtype, x.device)
+    return None
+
+
+def _layout_reason(x: Tensor) -> tuple[RowLayout | None, str | None]:
+    layout = row_layout(x)
+    if layout is not None:
+        return layout, None
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        return None, "x's last dimension is not contiguous"
+    return None, "x's rows need more than three strides to address"
+
+
+_PLANS: dict[tuple, Plan | str] = {}
+MAX_PLANS = 4096  # cleared when full, so that shapes that keep changing cannot grow it without bound
+
+
+def _cached(key: tuple, make) -> Plan | str:
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = make()
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _is_concrete(x: Tensor) -> bool:
+    return type(x) is Tensor or type(x) is torch.nn.Parameter
+
+
+def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = None, *,
+                 norm_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
+                 store_rstd: bool = True) -> Plan | str:
+    """The plan for the forward of ``x`` [..., N] (N >= 1; with ``residual``, of their sum), or
+    why the kernels do not serve it. ``residual`` must have single-stride rows (callers copy
+    it otherwise)."""
+    def make() -> Plan | str:
+        dtypes = (x.dtype, None if weight is None else weight.dtype, None if residual is None else residual.dtype)
+        reason = _reason(x, dtypes)
+        if reason is not None:
+            return reason
+        layout, reason = _layout_reason(x)
+        if reason is not None:
+            return reason
+        sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        n = int(x.shape[-1])
+        return Plan(forward_config(n, sum_dtype), layout, x.numel() // n, n, ROUND_CODES[norm_dtype],
+                    float(weight_offset), store_rstd)
+
+    if not _is_concrete(x):  # traced: sizes may be symbolic, nothing to keep
+        return make()
+    key = ("fwd", x.device, x.dtype, x.shape, x.stride(), None if weight is None else weight.dtype,
+           None if residual is None else (residual.dtype, row_stride(residual)), norm_dtype, weight_offset,
+           store_rstd)
+    return _cached(key, make)
+
+
+def backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, *, weight_offset: float = 0.0,
+                  dres_dtype: torch.dtype | None = None) -> Plan | str:
+    """The plan for the backward over ``x`` [..., N] (N >= 1), or why the kernels do not serve it."""
+    def make() -> Plan | str:
+        reason = _reason(x, (x.dtype, None if weight is None else weight.dtype, dres_dtype, dy_dtype))
+        if reason is not None:
+            return reason
+        layout, reason = _layout_reason(x)
+        if reason is not None:
+            return reason
+        n = int(x.shape[-1])
+        return Plan(backward_config(n, x.dtype), layout, x.numel() // n, n, weight_offset=float(weight_offset))
+
+    if not _is_concrete(x):
+        return make()
+    key = ("bwd", x.device, x.dtype, x.shape, x.stride(), None if weight is None else weight.dtype, dy_dtype,
+           dres_dtype, weight_offset)
+    return _cached(key, make)

@@ -1,0 +1,156 @@
+"""The functional API: ``rms_norm`` (``torch.nn.functional.rms_norm``'s contract) and
+``add_rms_norm`` (the residual add fused with the norm), backed by ``torch.ops.rmsnorm``.
+
+In eager code where the dispatcher has nothing to add (no gradient to record, no autocast,
+mode, transform, subclass, ``torch.jit.trace``), both call the ops' implementation directly:
+the dispatcher's Python kernels cost more host time than the kernel launch itself, and since
+nothing will read rstd, the kernels do not write it. The same outputs, bit for bit. Under
+``torch.profiler`` such a call is recorded as the op it stands for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from torch_rmsnorm_op import _torch_compat, ops, reference
+from torch_rmsnorm_op.contract import check_add_args, check_eps, check_forward_args, check_functional_args
+from torch_rmsnorm_op.fallback import record_fallback
+
+_PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
+
+
+def _transform_reason() -> str | None:
+    """Autodiff the ops' registered formulas do not serve: forward-mode AD (a custom op has no
+    forward-mode formula: the tangent would be dropped) and torch.func's grad/jvp-style
+    transforms. vmap is served by the ops."""
+    transform = _torch_compat.functorch_transform()
+    if transform is not None:
+        return f"torch.func transform {transform}"
+    if torch.autograd.forward_ad._current_level >= 0:
+        return "forward-mode AD"
+    return None
+
+
+def _plain(t: Tensor | None, weight: bool = False) -> bool:
+    if t is None:
+        return True
+    if weight:
+        return type(t) in _PLAIN_WEIGHT_TYPES and t.layout == torch.strided and not t.is_neg()
+    return (type(t) is Tensor and (t.is_cuda or t.is_cpu) and t.layout == torch.strided and not t.is_nested
+            and not t.is_neg())
+
+
+def _nothing_to_dispatch(tensors: tuple[Tensor | None, ...], weight: Tensor | None) -> bool:
+    """Whether dispatching the op on these inputs, here and now, would only reach its
+    implementation: eager (not compiled), no gradient to record, plain strided CPU or CUDA
+    tensors (no subclass, nested tensor, negative bit), and nothing in the dispatcher's state
+    (``_torch_compat.dispatcher_has_nothing_to_do``)."""
+    if not (_plain(weight, weight=True) and all(_plain(t) for t in tensors)):
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, weight)):
+        return False
+    return _torch_compat.dispatcher_has_nothing_to_do()
+
+
+def _flatten(input: Tensor, shape: tuple[int, ...], weight: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """``normalized_shape`` over several trailing dims as one: [..., prod(shape)]."""
+    if len(shape) == 1:
+        return input, weight
+    n = math.prod(shape)
+    return input.reshape(*input.shape[: input.dim() - len(shape)], n), None if weight is None else weight.reshape(n)
+
+
+def _direct(op: str, run):
+    """Run an eager shortcut, named ``op`` in profiler traces."""
+    if torch._C._autograd._profiler_enabled():
+        with torch.profiler.record_function(op):
+            return run()
+    return run()
+
+
+def rms_norm(
+    input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None, *,
+    weight_offset: float | None = None, norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``torch.nn.functional.rms_norm`` backed by ``torch.ops.rmsnorm.fwd``: same signature,
+    defaults (``eps=None`` is the computation dtype's epsilon, as in torch), shapes, dtypes,
+    errors and gradients; ``normalized_shape`` may span several trailing dims; complex inputs
+    take the reference path.
+
+    The keyword-only arguments serve the RMSNorm variants of model families: the normalized
+    row is rounded to ``norm_dtype`` before the weight multiplies it (Llama casts it back to
+    the input dtype first); the weight scales as ``weight + weight_offset`` in fp32 (Gemma's
+    ``1 + weight``; None is no offset); the result has ``out_dtype`` (default: the input's
+    dtype)."""
+    shape = check_functional_args(input, normalized_shape, weight)
+    # A float default would reach torch.compile as a graph input of its own: None stays constant.
+    weight_offset = 0.0 if weight_offset is None else float(weight_offset)
+    if eps is None:
+        eps = reference.default_eps(input.dtype)
+    else:
+        check_eps(eps)
+    if input.is_complex() or (weight is not None and weight.is_complex()):
+        record_fallback("rms_norm", f"complex dtype {input.dtype}")
+        return reference.rms_norm_reference(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
+    direct = False
+    if not torch.compiler.is_compiling():
+        transform = _transform_reason()
+        if transform is not None:
+            record_fallback("rms_norm", transform)
+            return reference.rms_norm_reference(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
+        direct = _nothing_to_dispatch((input,), weight)
+    x, w = _flatten(input, shape, weight)
+    if direct:
+        check_forward_args(x, w, norm_dtype, out_dtype)
+        y = _direct("rmsnorm::fwd", lambda: ops.forward(x, w, float(eps), weight_offset, norm_dtype, out_dtype,
+                                                        want_rstd=False)[0])
+    else:
+        y = torch.ops.rmsnorm.fwd(x, w, float(eps), weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                  out_dtype=out_dtype)[0]
+    return y if len(shape) == 1 else y.view(input.shape)
+
+
+def add_rms_norm(
+    input: Tensor, residual: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None,
+    eps: float | None = None, *, weight_offset: float | None = None, norm_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(input + residual, ...), input + residual)`` in one pass over the rows, backed
+    by ``torch.ops.rmsnorm.add_fwd``. The sum is what ``input + residual`` gives (their promoted
+    dtype, no broadcasting: residual has input's shape); the norm's default ``eps`` and output
+    dtype are the sum's. Gradients reach both inputs (the sum's own gradient included)."""
+    shape = check_functional_args(input, normalized_shape, weight)
+    weight_offset = 0.0 if weight_offset is None else float(weight_offset)
+    sum_dtype = torch.promote_types(input.dtype, residual.dtype)
+    if eps is None:
+        eps = reference.default_eps(sum_dtype)
+    else:
+        check_eps(eps)
+    x, w = _flatten(input, shape, weight)
+    r = residual if len(shape) == 1 else residual.reshape(x.shape)
+    direct = False
+    if input.is_complex() or residual.is_complex() or (weight is not None and weight.is_complex()):
+        record_fallback("add_rms_norm", f"complex dtype {sum_dtype}")
+        s = input + residual
+        return reference.rms_norm_reference(s, shape, weight, eps, weight_offset, norm_dtype, out_dtype), s
+    if not torch.compiler.is_compiling():
+        transform = _transform_reason()
+        if transform is not None:
+            record_fallback("add_rms_norm", transform)
+            s = input + residual
+            return reference.rms_norm_reference(s, shape, weight, eps, weight_offset, norm_dtype, out_dtype), s
+        direct = _nothing_to_dispatch((input, residual), weight)
+    if direct:
+        check_add_args(x, r, w, norm_dtype, out_dtype)
+        y, s, _ = _direct("rmsnorm::add_fwd", lambda: ops.forward(x, w, float(eps), weight_offset, norm_dtype,
+                                                                  out_dtype, residual=r, want_rstd=False))
+    else:
+        y, s, _ = torch.ops.rmsnorm.add_fwd(x, r, w, float(eps), weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                            out_dtype=out_dtype)
+    if len(shape) > 1:
+        y, s = y.view(input.shape), s.view(input.shape)
+    return y, s

@@ -1,0 +1,111 @@
+"""``@triton.jit`` helpers the strategies share: row addressing, the residual sum, the
+normalization with its weight, the backward's row dot product."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rstd(sum_sq, n, eps):
+    return tl.rsqrt(sum_sq / n + eps)
+
+
+@triton.jit
+def _row_offset(row, size1, size2, stride0, stride1, stride2, LEAD_DIMS: tl.constexpr):
+    """Offset of row ``row`` (int64, scalar or vector) of a tensor whose leading dims, merged
+    where their strides allow, are ``LEAD_DIMS`` (1 to 3) dims of sizes ``(*, size1, size2)``
+    and strides ``(stride0, stride1, stride2)``: a single row stride, or e.g. the
+    ``(B, H, S, D)`` transposed view of a ``(B, S, H, D)`` tensor, read with no copy."""
+    if LEAD_DIMS == 1:
+        return row * stride0
+    elif LEAD_DIMS == 2:
+        return (row // size1) * stride0 + (row % size1) * stride1
+    else:
+        return (row // (size1 * size2)) * stride0 + ((row // size2) % size1) * stride1 + (row % size2) * stride2
+
+
+@triton.jit
+def _residual_sum(x, r, SUM_TY: tl.constexpr):
+    """``x + r`` as torch adds them: in fp32, rounded to the sum's dtype; returned in that dtype."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(SUM_TY)
+
+
+@triton.jit
+def _round(y, ROUND: tl.constexpr):
+    """``y`` (fp32) rounded to fp16 (``ROUND`` 1) or bf16 (2) and back; 0 leaves it."""
+    if ROUND == 1:
+        y = y.to(tl.float16).to(tl.float32)
+    elif ROUND == 2:
+        y = y.to(tl.bfloat16).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _weight(w, WEIGHT_OFFSET: tl.constexpr):
+    """The weight as it scales the row: ``w + WEIGHT_OFFSET`` in fp32 (Gemma's ``1 + w``)."""
+    w = w.to(tl.float32)
+    if WEIGHT_OFFSET != 0.0:
+        w = w + WEIGHT_OFFSET
+    return w
+
+
+@triton.jit
+def _scale(x, rstd, w, HAS_WEIGHT: tl.constexpr, ROUND: tl.constexpr):
+    """y in fp32: ``round(x * rstd) * w`` (``w`` from ``_weight``, broadcast by the caller)."""
+    y = _round(x * rstd, ROUND)
+    if HAS_WEIGHT:
+        y = y * w
+    return y
+
+
+@triton.jit
+def _sum_sq(x):
+    """Sum of squares in fp32."""
+    x = x.to(tl.float32)
+    return tl.sum(x * x, axis=0)
+
+
+@triton.jit
+def _dot(x, dy, w, HAS_WEIGHT: tl.constexpr):
+    """This chunk's part of the row's sum of dy * w * x (fp32; ``w`` fp32, unused without a weight)."""
+    u = dy.to(tl.float32)
+    if HAS_WEIGHT:
+        u = u * w
+    return tl.sum(u * x.to(tl.float32), axis=0)
+
+
+@triton.jit
+def _load_f32(ptrs, mask, POLICY: tl.constexpr):
+    """Masked load (0 where masked) as fp32, with a cache eviction policy ("" for none)."""
+    return tl.load(ptrs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+
+
+@triton.jit
+def _merge_partial(value, ROW, mask, FLAG):
+    """Add this program's dweight partial ``value`` into its pair's row ``ROW``: the first of the
+    two to claim ``FLAG`` (0: free, 1: claimed, 2: stored) stores its partial, the second adds
+    its own to what the first stored. fp32 addition is commutative, so the row holds the same
+    bits whichever arrives first; and only a program that has claimed the flag is ever waited
+    for, so nothing depends on which programs are resident. A lone program (odd group count)
+    just stores."""
+    if tl.atomic_cas(FLAG, 0, 1) == 0:
+        tl.store(ROW, value, mask=mask)
+        tl.debug_barrier()  # every thread's stores before the flag says so (acq_rel, gpu scope)
+        tl.atomic_xchg(FLAG, 2)
+    else:
+        while tl.atomic_cas(FLAG, 2, 2) != 2:
+            pass
+        # From L2 (.cg): written by another multiprocessor.
+        other = tl.load(ROW, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(ROW, other + value, mask=mask)
+
+
+@triton.jit
+def _store_partial(value, DW_PARTIAL, DW_FLAGS, group, N, cols, mask, SPLIT: tl.constexpr, chunk,
+                   MERGE: tl.constexpr):
+    """Write this program's dweight partial (columns ``cols`` of its group's): its group's row,
+    or with MERGE its pair's (``_merge_partial``)."""
+    if MERGE:
+        _merge_partial(value, DW_PARTIAL + group // 2 * N + cols, mask, DW_FLAGS + group // 2 * SPLIT + chunk)
+    else:
+        tl.store(DW_PARTIAL + group * N + cols, value, mask=mask)

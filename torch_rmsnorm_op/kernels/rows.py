@@ -1,0 +1,152 @@
+"""Whole rows per program: the forward for rows that fit in registers, and the backward.
+
+Forward: a program holds ``ROWS`` rows of ``BLOCK_N >= N`` columns in registers and reads x
+once; several rows per program for small N. Without masks (``UNMASKED``) where the tiles cover
+x exactly. Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile
+at a time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is
+groups x N, never M x N; ``reduce.py`` sums the partials in a fixed order).
+"""
+
+import triton
+import triton.language as tl
+
+from torch_rmsnorm_op.kernels.common import (
+    _load_f32,
+    _residual_sum,
+    _row_offset,
+    _rstd,
+    _scale,
+    _store_partial,
+    _weight,
+)
+
+
+@triton.jit
+def _rms_norm_fwd_rows(
+    X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
+    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
+    W,  # weight [N] (read if HAS_WEIGHT)
+    Y,  # output [M, N], row stride y_stride
+    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL)
+    RSTD,  # output [M] fp32 (written if STORE_RSTD)
+    M,
+    N,
+    eps,
+    x_size1,
+    x_size2,
+    x_stride0,
+    x_stride1,
+    x_stride2,
+    r_stride,
+    y_stride,
+    h_stride,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    LEAD_DIMS: tl.constexpr,  # x's leading dims after merging (_row_offset)
+    UNMASKED: tl.constexpr,  # the tiles cover x exactly: no masks
+    STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference)
+    WEIGHT_OFFSET: tl.constexpr,  # the weight scales as w + WEIGHT_OFFSET
+    ROUND: tl.constexpr,  # round x * rstd to fp16 (1) or bf16 (2) before the weight
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if UNMASKED:
+        row_mask, col_mask, mask, other = None, None, None, None
+    else:
+        row_mask, col_mask, other = rows < M, cols < N, 0.0
+        mask = row_mask[:, None] & col_mask[None, :]
+    x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
+    x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
+    if HAS_RESIDUAL:
+        r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
+        x = _residual_sum(x, r, H.dtype.element_ty)
+        tl.store(H + rows[:, None] * h_stride + cols[None, :], x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
+    w = 0.0
+    if HAS_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    y = _scale(x, rstd[:, None], w, HAS_WEIGHT, ROUND)
+    tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_bwd_rows(
+    DY,  # upstream gradient [M, N], row stride dy_stride
+    X,  # forward input [M, N], rows addressed by _row_offset
+    W,  # weight [N] (read if HAS_WEIGHT)
+    RSTD,  # [M] fp32, saved by the forward
+    DX,  # output [M, N], row stride dx_stride
+    DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES)
+    DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials
+    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros, _merge_partial's flags
+    M,
+    N,
+    rows_per_group,
+    x_size1,
+    x_size2,
+    x_stride0,
+    x_stride1,
+    x_stride2,
+    dy_stride,
+    dx_stride,
+    dres_stride,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    LEAD_DIMS: tl.constexpr,
+    COUNTED_LOOP: tl.constexpr,  # the row loop runs 0..rows_per_group, else row_start..row_end
+    RELOAD: tl.constexpr,  # read x and dy again after the row sum (from L1/L2)
+    STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
+    MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
+    WEIGHT_OFFSET: tl.constexpr,
+):
+    group = tl.program_id(0).to(tl.int64)
+    row_start = group * rows_per_group
+    row_end = tl.minimum(row_start + rows_per_group, M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    if HAS_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=0.0), WEIGHT_OFFSET)
+    dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    # The loop form alone moves the backward by several % of copy, each way at different N,
+    # so the table picks it per rung.
+    if COUNTED_LOOP:
+        loop_start, loop_end, base = 0, rows_per_group, row_start
+    else:
+        loop_start, loop_end, base = row_start, row_end, 0
+    for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
+        rows = base + first + tl.arange(0, ROWS)
+        mask = (rows < row_end)[:, None] & col_mask[None, :]
+        x_ptrs = X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None] \
+            + cols[None, :]
+        dy_ptrs = DY + rows[:, None] * dy_stride + cols[None, :]
+        x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
+        dy = _load_f32(dy_ptrs, mask, "evict_last" if RELOAD else "")
+        rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
+        u = dy
+        if HAS_WEIGHT:
+            u = dy * w[None, :]
+            if not RELOAD:
+                dw_acc += dy * x * rstd[:, None]
+        c = tl.sum(u * x, axis=1) / N
+        if RELOAD:
+            # Rather than keep x and dy in registers across the row sum (Inductor's loops do
+            # the same); another eviction policy, so the compiler cannot merge the loads.
+            x = _load_f32(x_ptrs, mask, "evict_first")
+            dy = _load_f32(dy_ptrs, mask, "evict_first")
+            u = dy
+            if HAS_WEIGHT:
+                u = dy * w[None, :]
+                dw_acc += dy * x * rstd[:, None]
+        dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dx += _load_f32(DRES + rows[:, None] * dres_stride + cols[None, :], mask, "")
+        tl.store(DX + rows[:, None] * dx_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)

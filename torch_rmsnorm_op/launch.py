@@ -1,0 +1,286 @@
+"""Host side of the kernels: a ``dispatch.Plan`` and the tensors in, launches out.
+
+The launchers take validated tensors and write into the outputs they are given (``ops.py``
+allocates and validates). Each launches through one of two back ends: eagerly through
+``_triton_compat.run`` (Triton's JIT the first time, the compiled kernel's own launcher after
+that), or, while a compiled graph is traced, through ``torch.library.wrap_triton``, so that
+Inductor sees the kernel and emits its launch in the generated code. An eager forward plan
+that ran through a compiled kernel with every pointer 16-byte aligned keeps that launch
+(``Plan.launcher``): a later call with the same plan replays it with the new addresses.
+
+Under the Triton interpreter, which runs programs one after another, split mode's programs
+cannot wait for each other: the same kernel runs as two launches (``PHASE`` 1 publishes the
+partial sums, 2 reads them).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType, ModuleType
+
+import torch
+from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from torch_rmsnorm_op import _torch_compat, _triton_compat
+from torch_rmsnorm_op.config import (
+    MERGE_SCRATCH_BYTES,
+    MERGE_SCRATCH_SHARE,
+    KernelConfig,
+    cdiv,
+    reduce_splits,
+    reduce_tile,
+    row_groups,
+    sm_count,
+)
+from torch_rmsnorm_op.dispatch import Plan
+from torch_rmsnorm_op.layout import row_stride
+
+
+@functools.cache
+def _kernels():
+    from torch_rmsnorm_op import kernels  # defines the kernels (TRITON_INTERPRET is read then)
+
+    return kernels
+
+
+def _launch(kernel, grid: tuple, args: list, consts: Mapping, num_warps: int, device: torch.device,
+            traced: bool):
+    """One launch: through ``wrap_triton`` while tracing, else eagerly on ``device``."""
+    if traced:
+        torch.library.wrap_triton(kernel)[grid](*args, **consts, num_warps=num_warps)
+        return None
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            return _triton_compat.run(kernel, device, grid, args, dict(consts), num_warps)
+    return _triton_compat.run(kernel, device, grid, args, dict(consts), num_warps)
+
+
+def _split_phases(traced: bool) -> tuple[int, ...]:
+    return (1, 2) if not traced and _triton_compat.is_interpreted() else (0,)
+
+
+def exact_tiles(cfg: KernelConfig, m, n: int) -> bool:
+    """Whether a single-pass or looped forward's tiles cover [m, n] exactly: N a multiple of the
+    block (looped: of the step), and for single-pass M a multiple of the rows per program (never
+    assumed for a symbolic M)."""
+    if n % cfg.block_n:
+        return False
+    return cfg.looped or (type(m) is int and m % cfg.rows == 0)
+
+
+def loop_steps(cfg: KernelConfig, m, n: int) -> int:
+    """A looped forward's steps per row when it runs without masks (``mask_free``, tiles that
+    cover x exactly), else 0: as a constexpr (``STEPS``), a loop of known length that Triton
+    unrolls, so a pass's loads are issued together; one compile per step count."""
+    return n // cfg.block_n if cfg.looped and cfg.mask_free and exact_tiles(cfg, m, n) else 0
+
+
+@functools.cache
+def _forward_consts(cfg: KernelConfig, has_weight: bool, has_residual: bool, lead_dims: int, unmasked: bool,
+                    steps: int, store_rstd: bool, weight_offset: float, round_code: int) -> Mapping:
+    """The constexprs of the forward kernel ``cfg`` selects, in its parameter order."""
+    if cfg.split > 1:
+        out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_RESIDUAL=has_residual,
+                   LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, STORE_RSTD=store_rstd,
+                   INTERLEAVE=cfg.interleave, WEIGHT_OFFSET=weight_offset, ROUND=round_code)
+    elif cfg.looped:
+        out = dict(BLOCK_N=cfg.block_n, HAS_WEIGHT=has_weight, HAS_RESIDUAL=has_residual, LEAD_DIMS=lead_dims,
+                   UNMASKED=unmasked, STAGES=cfg.stages, STORE_RSTD=store_rstd, STEPS=steps,
+                   WEIGHT_OFFSET=weight_offset, ROUND=round_code)
+    else:
+        out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_RESIDUAL=has_residual,
+                   LEAD_DIMS=lead_dims, UNMASKED=unmasked, STORE_RSTD=store_rstd, WEIGHT_OFFSET=weight_offset,
+                   ROUND=round_code)
+    return MappingProxyType(out)
+
+
+def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
+            residual: Tensor | None = None, h: Tensor | None = None, traced: bool = False,
+            kernels: ModuleType | None = None) -> None:
+    """Write ``y`` (and ``rstd`` unless None; with ``residual``, ``h = x + residual`` first, the
+    row normalized being h) as ``plan`` says. ``x`` is addressed by ``plan.layout``; ``residual``,
+    ``y`` and ``h`` have single-stride rows; ``weight`` is contiguous [N] or None; rstd holds M
+    contiguous values. ``kernels`` replaces the package's kernels (a namespace with the same
+    names; for tests)."""
+    cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
+    if m == 0:
+        return
+    has_residual = residual is not None
+    # x stands in for the pointers the kernel neither reads nor writes under its constexprs.
+    ptrs = [x, x if residual is None else residual, x if weight is None else weight, y, x if h is None else h,
+            x if rstd is None else rstd]
+    strides = [*layout[1:], n if residual is None else row_stride(residual), row_stride(y),
+               n if h is None else row_stride(h)]
+    unmasked = cfg.mask_free and exact_tiles(cfg, m, n)
+    consts = _forward_consts(cfg, weight is not None, has_residual, layout.dims, unmasked,
+                             loop_steps(cfg, m, n), rstd is not None, plan.weight_offset, plan.round_code)
+    eps = float(eps)  # an int eps would be specialized apart
+    k = kernels or _kernels()
+    if cfg.split > 1:
+        groups, rows_per_group = row_groups(m, n, x.device, cfg)
+        # Zeros: no flag set. The phantom rows past M get slots too.
+        slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=x.device)
+        args = [*ptrs, slots, m, n, eps, rows_per_group, *strides]
+        for phase in _split_phases(traced):
+            _launch(k._rms_norm_fwd_split, (groups * cfg.split,), args, dict(consts, PHASE=phase), cfg.num_warps,
+                    x.device, traced)
+        return
+    kernel = k._rms_norm_fwd_looped if cfg.looped else k._rms_norm_fwd_rows
+    grid = (m if cfg.looped else cdiv(m, cfg.rows),)
+    launcher = _launch(kernel, grid, [*ptrs, m, n, eps, *strides], consts, cfg.num_warps, x.device, traced)
+    if (launcher is not None and kernels is None and plan.launcher is None and x.device.type == "cuda"
+            and strides[-2] == n
+            and all(t.data_ptr() & 15 == 0 for t in ptrs)):
+        plan.replay = ((*grid, 1, 1), (m, n), (*strides, *consts.values()))
+        plan.launcher = launcher
+
+
+def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
+                   residual: Tensor | None = None, h: Tensor | None = None) -> bool:
+    """``forward(plan, ...)`` through the launch the plan kept, when it applies: every pointer
+    16-byte aligned (what the kernel was specialized on), x's device the current one, no launch
+    hook, y's rows contiguous. Returns whether it launched."""
+    xp = x.data_ptr()
+    ptrs = (xp, xp if residual is None else residual.data_ptr(), xp if weight is None else weight.data_ptr(),
+            y.data_ptr(), xp if h is None else h.data_ptr(), xp if rstd is None else rstd.data_ptr())
+    index = x.get_device()
+    # torch.cuda.current_device() without its lazy-init check: a plan's launcher means CUDA is up
+    if ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15 or index != torch._C._cuda_getDevice()
+            or not _triton_compat.no_launch_hooks()):
+        return False
+    launcher = plan.launcher
+    grid3, sizes, tail = plan.replay
+    launcher.call(*grid3, _triton_compat.current_stream(index), *launcher.head, *ptrs, *sizes, float(eps), *tail)
+    return True
+
+
+def _known(cond) -> bool:
+    """A size comparison: its value when the sizes are ints; under tracing with symbolic sizes,
+    True only where provable (no guard is added)."""
+    return cond if isinstance(cond, bool) else statically_known_true(cond)
+
+
+def merged_partials(groups, m, n: int, dtype: torch.dtype) -> bool:
+    """Whether the backward's ``groups`` row groups over [m, n] rows of ``dtype`` share partial
+    rows in pairs (``kernels.common._merge_partial``): where one row per group would exceed both
+    ``MERGE_SCRATCH_BYTES`` and ``MERGE_SCRATCH_SHARE`` of dx."""
+    scratch = groups * n * 4
+    return _known(scratch > MERGE_SCRATCH_BYTES) and _known(scratch > MERGE_SCRATCH_SHARE * m * n * dtype.itemsize)
+
+
+def backward_workspace(plan: Plan, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Uninitialized fp32 scratch for the dweight partials of ``plan`` over x of ``dtype``:
+    [partial rows + reduce splits, N], one partial row per row group or per pair of them, then
+    the first reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads
+    only the partials with one)."""
+    rows, _ = _partials(plan, dtype, device)
+    splits = _reduce_splits(rows, plan.n, device)
+    return torch.empty((rows + (splits if splits > 1 else 0), plan.n), dtype=torch.float32, device=device)
+
+
+def _partials(plan: Plan, dtype: torch.dtype, device: torch.device) -> tuple[object, bool]:
+    groups, _ = row_groups(plan.m, plan.n, device, plan.cfg)
+    merge = merged_partials(groups, plan.m, plan.n, dtype)
+    return (cdiv(groups, 2) if merge else groups), merge
+
+
+def _reduce_splits(rows, n: int, device: torch.device) -> int:
+    # A symbolic number of partial rows is reduced in one stage.
+    return reduce_splits(rows, n, device) if type(rows) is int else 1
+
+
+@functools.cache
+def _reduce_consts(block_p: int, block_n: int) -> Mapping:
+    return MappingProxyType(dict(BLOCK_P=block_p, BLOCK_N=block_n))
+
+
+def _reduce_stage(partial: Tensor, out: Tensor, splits: int, rows_bound: int, traced: bool, k) -> None:
+    """``out`` [splits, N] = sums of ``splits`` consecutive runs of the rows of ``partial`` [P, N]."""
+    p, n = partial.shape
+    rows = cdiv(p, splits)
+    consts = _reduce_consts(*reduce_tile(rows if type(rows) is int else rows_bound))
+    _launch(k._rms_norm_dw_reduce, (cdiv(n, consts["BLOCK_N"]), splits), [partial, out, p, n, rows], consts,
+            4, partial.device, traced)
+
+
+def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None, rows_bound: int = 1,
+                   traced: bool = False, kernels: ModuleType | None = None) -> None:
+    """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order: one
+    stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows).
+    ``rows_bound`` bounds P where P is symbolic (it sizes the reduction's tile)."""
+    k = kernels or _kernels()
+    if mid is not None and mid.shape[0] > 1:
+        _reduce_stage(partial, mid, mid.shape[0], rows_bound, traced, k)
+        partial = mid
+    _reduce_stage(partial, dweight, 1, rows_bound, traced, k)
+
+
+@functools.cache
+def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_dims: int, merge: bool,
+                     weight_offset: float) -> Mapping:
+    if cfg.split > 1:
+        out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
+                   LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
+                   WEIGHT_OFFSET=weight_offset)
+    else:
+        out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
+                   LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
+                   MERGE=merge, WEIGHT_OFFSET=weight_offset)
+    return MappingProxyType(out)
+
+
+def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor,
+             dweight: Tensor | None, dres: Tensor | None = None, workspace: Tensor | None = None,
+             traced: bool = False, kernels: ModuleType | None = None) -> None:
+    """Write ``dx`` (plus ``dres``, the gradient that reached the forward's residual sum, if
+    given) and, with a weight, ``dweight`` [N], as ``plan`` says (M, N >= 1). ``x`` is addressed
+    by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
+    ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None."""
+    cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
+    device = x.device
+    groups, rows_per_group = row_groups(m, n, device, cfg)
+    has_weight = weight is not None
+    partial = flags = mid = None
+    merge = False
+    if has_weight:
+        rows, merge = _partials(plan, x.dtype, device)
+        splits = _reduce_splits(rows, n, device)
+        if workspace is None:
+            workspace = torch.empty((rows + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
+        partial, mid = workspace[:rows], workspace[rows:]
+        if merge:
+            flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
+    placeholder = x  # pointers the kernel does not read under its constexprs
+    ptrs = [dy, x, placeholder if weight is None else weight, rstd, dx, placeholder if dres is None else dres,
+            placeholder if partial is None else partial, placeholder if flags is None else flags]
+    strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
+    consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset)
+    k = kernels or _kernels()
+    if cfg.split > 1:
+        slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=device)
+        args = [*ptrs, slots, m, n, rows_per_group, *strides]
+        for phase in _split_phases(traced):
+            _launch(k._rms_norm_bwd_split, (groups * cfg.split,), args, dict(consts, PHASE=phase), cfg.num_warps,
+                    device, traced)
+    else:
+        _launch(k._rms_norm_bwd_rows, (groups,), [*ptrs, m, n, rows_per_group, *strides], consts, cfg.num_warps,
+                device, traced)
+    if has_weight:
+        bound = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
+        reduce_dweight(partial, dweight, mid, bound, traced, k)
+
+
+_OP_KERNELS = {
+    "fwd": ("_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split"),
+    "bwd": ("_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce"),
+}
+
+
+@functools.cache
+def register_kernels_for_tracing(op: str) -> None:
+    """Make the kernels ``op`` (``rmsnorm::<name>``) launches part of the compile cache's key."""
+    k = _kernels()
+    names = _OP_KERNELS["bwd" if op.endswith("bwd") else "fwd"]
+    _torch_compat.register_triton_kernels(op, [getattr(k, name) for name in names])
