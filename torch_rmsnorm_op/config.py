@@ -20,39 +20,44 @@ import torch
 MAX_N = 1 << 20
 MAX_SPLIT = 128
 
-# The ladders below were chosen on the H200 (bf16 unless marked, x of 256 MiB, launcher GPU
-# time, % of the copy ceiling measured in the same run) by profiling/tune.py:
-# profiling/results/2026-11-29-h200-tune/tune.json, revisited in -tune2 and -tune3 (their
-# --near runs); profiling/NOTES.md keeps every variant's numbers.
+# The ladders below were chosen on the H200 by profiling/tune.py: bf16 unless marked, x of 256 MiB,
+# % of the copy ceiling measured in the same run. "Bench timing" is tune.py --timing bench, the
+# benchmark's own measure (back-to-back calls, profiler GPU time); without it tune.py times with
+# triton.testing.do_bench, which clears L2 before every call and disagreed with the benchmark on
+# the looped rungs: 8192 columns x 16 warps at N=8192 / 16384 97.6% / 94.8% under do_bench
+# (fwd-looped-do-bench.json), 81.4% / 81.3% in the benchmark (bench-looped-8192x16.md). Files named
+# here are in profiling/results/2026-11-29-h200-tuning/ (its README gives each file's command and
+# code); docs/design.md gives the reasons, docs/tried.md the variants that lost.
 #
 # Forward: (max N, elements per program, warps, options). Single-pass (whole rows in
 # registers), or looped (``looped``: one row per program, elements = columns per step, x read
-# twice, the second time from cache: Inductor's loop). The looped rungs were measured twice:
-# profiling/tune.py (-tune4) and the benchmark (-final4); at N = 8192 and 16384 the two
-# disagreed (tune.py +4.7 and +1.4 points, the benchmark -16 and -15). Since session 9 tune.py
-# can time as the benchmark does (--timing bench); so timed, Inductor's own rung (4096 columns
-# x 16 warps) wins at 8192 and 16384 (-tune9/b), and the benchmark agreed (-final10).
+# twice, the second time from cache: Inductor's loop).
 FWD_LADDER = (
-    (1024, 2048, 2, {}),  # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; -tune9/b)
-    # N=4096: 4 rows 94.2% (1 row 93.1%); without masks (mask_free, where M is a multiple of 4) 96.9%,
-    # 97.1% (95.4%, 95.7%), fp16 96.9% twice (96.1%); at 256 and 1024 a wash (+-0.1; -tune10/c)
+    # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
+    (1024, 2048, 2, {}),
+    # N=4096: without masks (mask_free, where M is a multiple of the rows per program) 96.9%, 97.1% (masked 95.4%,
+    # 95.7%), fp16 96.9% twice (96.1%); at 256 and 1024 a wash (+-0.1; fwd-mask-free-r1.json, -r2.json)
     (4096, 16384, 8, dict(mask_free=True)),
-    # Looped, masked (-tune9/b): 8192 97.4% (2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
-    # 96.1%); 32768 95.9%, bench 94.5% (single-pass 16 warps 89.3%, bench 89.9%; -tune4). Without
-    # masks where N allows (mask_free; -tune9/d): 8192 98.6% (97.6%), 16384 97.5% (97.0%), 32768
-    # 98.1% (94.0%). Without masks the loops also have a known length (kernels.loop_steps), which
-    # Triton unrolls, as in Inductor's kernels (-tune12/d, two rounds): 8192 99.7% (98.3-98.4%), 16384
-    # 97.3-97.5% (97.1-97.2%), 32768 97.9-98.1% (97.7-97.8%).
+    # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
+    # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
+    # 96.1%); 32768 at 8192 x 32 warps 93.9% (single-pass x 16 warps 90.5%). Without masks where N is a multiple
+    # of the step (mask_free): 8192 98.6% (97.6%), 16384 97.5% (97.0%), 32768 98.1% (94.0%; fwd-looped-unmasked.json
+    # against table-base.json). Without masks the loops also have a known length (kernels.loop_steps), which
+    # Triton unrolls, as in Inductor's kernels: 8192 99.7% (98.3-98.4%), 16384 97.3-97.5% (97.1-97.2%), 32768
+    # 97.9-98.1% (97.7-97.8%; fwd-loop-steps-r1/r2.json against fwd-loop-runtime-bound-r1/r2.json).
     (16384, 4096, 16, dict(looped=True, mask_free=True)),
     (32768, 8192, 32, dict(looped=True, mask_free=True)),
-    # N=65536 and up: split mode (below): 81.4% at 65536 (looped 77.1%; -tune6/e, d)
+    # N=65536 and up: split mode (below): 80.6% at 65536 against the looped rung's 77.1% (do_bench,
+    # fwd-split-vs-looped.json)
 )
-# 4-byte dtypes (fp32): N <= 4096 from the benchmark's timing (-tune9/b); above, single-pass as
-# first tuned for bf16 (tune.py, -tune4: N=32768 looped 77.5%, single-pass 87.8%).
+# 4-byte dtypes (fp32): N <= 4096 by bench timing (fwd-near.json); above, the single-pass rungs first tuned
+# for bf16, which beat the looped form at N=32768 (do_bench: 85.8% at 16 warps, 87.8% at 32, looped 77.5%;
+# fwd-fp32-do-bench.json).
 FWD_LADDER_FP32 = (
-    (1024, 1024, 1, {}),  # N=1024: 1 row x 1 warp 99.0% (4 rows x 8 warps 96.6%; -tune9/b)
-    # N=4096: 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; -tune9/b); without masks 93.2% (-tune9/d; 93.3%
-    # twice in -tune10/c), not explained: the PTX differs only in the loads' and stores' predicates.
+    (1024, 1024, 1, {}),  # N=1024: 1 row x 1 warp 99.0% (4 rows x 8 warps 96.6%; fwd-near.json)
+    # N=4096: looped 99.5% (2048 columns too; 4 rows x 8 warps 94.8%; fwd-near.json); without masks 93.2%
+    # (fwd-looped-unmasked.json), 93.3% twice (fwd-mask-free-r1/r2.json), not explained: the PTX differs only in
+    # the loads' and stores' predicates.
     (4096, 4096, 16, dict(looped=True)),
     (8192, 16384, 4, {}),
     (16384, 16384, 8, {}),
@@ -63,58 +68,47 @@ FWD_LADDER_FP32 = (
 # row i's total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
 # Groups walk interleaved rows (interleave: group g rows g, g + groups, ...), so that at any time
 # they work on neighbouring rows, as a grid of one row per program does: against blocks of
-# consecutive rows per group (-tune10/f), bf16 N=65536 87.8% (83.3%), 262144 89.2% (87.4%), fp32
-# 65536 89.2% (85.2%).
-# -tune6/e_asm_exchange.json: bf16 N=262144 84.3% (4 programs per SM 83.7%, stages 3 79.7%, 16
-# warps 66.4%; three rows in registers and no prefetch, as in -final6: 75.5% in -tune6/b), N=65536
-# 81.4% (8192 x 4 warps: 68.8% in -tune6/d); at 32768 the looped rung stays (92.4% vs 81.2%, d).
-# fp32 N=65536 8192 x 4: 81.9% (-tune6/b; three rows in registers 77.7%; 4 per SM 82.7%, but
-# then not all resident at once).
+# consecutive rows, bf16 N=65536 87.8% (83.3%), 262144 89.2% (87.4%), fp32 65536 89.2% (85.2%;
+# split-interleave.json). Among its neighbours (split-near.json, bench timing) the table is best or tied:
+# bf16 65536 87.3% (4 programs per SM 87.7%, 4 warps 87.1%, stages 3 83.6%, no prefetch 68.1%), 262144 89.2%
+# (4 per SM 88.8%), fp32 65536 89.0% (8 warps 88.6%).
 FWD_SPLIT = ((MAX_N, 16384, 8, dict(programs_per_sm=2, stages=2, interleave=True)),)
 FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=True)),)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
-# row-loop form, counted_loop (kernels._rms_norm_bwd), which moved results by up to 12 points
-# either way, by N and dtype).
+# row-loop form, counted_loop (kernels._rms_norm_bwd), which moves results by up to 12 points
+# either way, by N and dtype: bwd-loop-form.json). Figures by bench timing (near-table.json) unless marked.
 BWD_LADDER = (
-    # N=256: 83.1% (16 rows 77.5%, 82.7% counted; -tune3); rows prefetched one tile ahead, 85.5% (-tune6/a)
-    # counted loop: 90.1% vs 88.7% in the benchmark's timing (-tune9/c)
+    # N=256: 32 rows, counted loop 90.1% (in-kernel bounds 88.7%); rows prefetched a tile ahead (stages 2):
+    # 85.5% against 83.5% under do_bench (staged.json)
     (256, 8192, 4, dict(programs_per_sm=4, stages=2, counted_loop=True)),
-    # N=1024: 87.6% in -tune3 (82.1% in -tune2; 4 per SM 84.5%); prefetched, 88.5% (87.9%; -tune6/a)
+    # N=1024: 92.0% (8 rows 92.5%, a tie; without prefetch 91.8%); do_bench: 4 programs per SM 84.5% against
+    # 87.6% (bwd-loop-form.json)
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2)),
-    (4096, 16384, 16, dict(programs_per_sm=2)),  # 86.9% in -tune3 (84.4% in -tune, 86.7% in -tune2)
-    (8192, 16384, 16, {}),  # 86.9% in -tune3 (counted 75.0%)
-    # N=16384: 82.0% reading x and dy twice (-tune4; once: 80.4%, 78.7%, 80.3%; not counted 75.5%, 76.8%)
+    (4096, 16384, 16, dict(programs_per_sm=2)),  # 90.4% (counted loop 90.3%, 4 programs per SM 87.7%)
+    (8192, 16384, 16, {}),  # 91.5% (counted loop 78.2%, 2 programs per SM 89.8%)
+    # N=16384: x and dy read a second time after the row sum (reload), counted loop: 87.1% (in-kernel bounds
+    # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
     (16384, 16384, 16, dict(counted_loop=True, reload=True)),
 )
-# The same for 4-byte dtypes (fp32), where the bf16 rungs were not the best (-tune3).
+# The same for 4-byte dtypes (fp32), where the bf16 rungs are not the best (do_bench unless marked).
 BWD_LADDER_FP32 = (
-    (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%)
-    (1024, 8192, 4, dict(programs_per_sm=8)),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%)
-    (4096, 16384, 8, dict(programs_per_sm=2)),  # 92.2% vs 16 warps 89.7%, the benchmark's timing (-tune9/c)
-    (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie)
-    (16384, 16384, 32, dict(reload=True)),  # 89.4% (-tune4; once, 16 warps: 81.6%, 83.1%; counted 73.7%)
+    (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%; bwd-near.json)
+    (1024, 8192, 4, dict(programs_per_sm=8)),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%; bwd-loop-form, bwd-near)
+    (4096, 16384, 8, dict(programs_per_sm=2)),  # 92.2% vs 16 warps 89.7% by bench timing (near-table.json)
+    (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie; bwd-near-fp32.json)
+    (16384, 16384, 32, dict(reload=True)),  # 89.4% (once, 16 warps: 81.6%; bwd-reload.json)
 )
 # Backward beyond the ladder, split mode: (max N, columns per program, warps, options).
-# As the forward's split mode, loads prefetched two rows ahead (stages 3), the weight chunk read
-# once per row. bf16 (-tune6/f_bwd_16_warps.json, bwd alone): 16 warps (108 registers) 76.8% at
-# N=65536 (8 warps 59.4%), but 60.8% at 32768 (stages 4: 72.9%) and 75.3% at 262144 (8 warps
-# 78.0%); fp16 N=65536 76.9% (8 warps 77.1%). Two values per configuration, about 60% or 73-78%,
-# fixed per compiled kernel and shape (-tune6/e and f agree within 0.4 points), not explained
-# (profiling/NOTES.md). Three rows in registers without prefetch, as in -final6: 69.5-74.1%.
-# Stages 4 (three rows ahead) was fast at every shape measured: 72.9% at 32768, 75.3% at
-# 65536, 74.2% at 262144, fp16 65536 76.4% (-tune6/f); fwd+bwd at 32768 72.4% -> 81.4% (-final8).
-# The columns per program also size the dweight scratch (groups x N; under 2% of dx).
-# Up to N=32768, 8 warps: 78.5-79.3% vs 16 warps 75.8-76.8% (bf16), fp16 79.0-79.3% vs 77.5-77.7%
-# (three rounds and --near, -tune10/d, e); at 65536 8 warps took the slow value (59.4%, -tune6/f).
-# Interleaved rows, as in the forward (-tune10/f): bf16 N=32768 84.0% (79.0%), 65536 81.2% (77.5%),
-# 262144 77.8% (77.6%), fp32 65536 85.0% (85.3%, a tie). With them 8 warps are ahead at every N
-# (--near, -tune11/b): 65536 83.2% (16 warps 81.7%; stages 3 83.6%), 262144 81.8% (77.1%), 32768
-# 84.1% (16 warps 82.8%); again in -tune11/c: 65536 83.0% (81.9%), 262144 81.9% (79.1%).
+# As the forward's split mode, on interleaved rows, with loads prefetched stages - 1 rows ahead; the weight
+# chunk is held in registers across rows (+1.1 to +1.8 points: split-bwd-weight-held.json against
+# split-bwd-weight-reread.json). The columns per program also size the dweight scratch (groups x N; under
+# 2% of dx). By bench timing (split-near.json): 8 warps ahead of 16 at every N (32768 84.1% vs 82.8%, 65536
+# 83.2% vs 81.7%, 262144 81.8% vs 77.1%; again in split-bwd-8-warps.json: 83.0% vs 81.9%, 81.9% vs 79.1%,
+# fp16 65536 83.1% vs 81.2%); stages 3 and 4 tie (65536 83.6% / 83.2%), stages 2 does not (61.6%).
 BWD_SPLIT = ((MAX_N, 8192, 8, dict(stages=4, interleave=True)),)
-# fp32: 4096 x 8 warps, 82.5% at N=65536 (16 warps 81.4%; three rows in registers 77.9%; -tune6/e);
-# interleaved, twice the columns per program (half the programs per row, 32 KiB each as bf16 16384
-# would be, which spills): 92.0% (4096 columns 85.5%; -tune11/b), 93.1% (85.2%) and at N=262144
-# 95.0% (75.5%; -tune11/c).
+# fp32: chunks of 8192 columns, 32 KiB (the bytes of a bf16 chunk of 16384 columns, which spills), half
+# the programs per row of 4096 columns: 92.0% against 85.5% (split-near.json), 93.1% (85.2%) and at
+# N=262144 95.0% (75.5%; split-bwd-fp32-8192-65536.json, -262144.json).
 BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
@@ -122,16 +116,18 @@ INTERPRETER_SM_COUNT = 4
 # Backward programs merge their dweight partials in pairs (half the scratch rows; kernels.py,
 # _merge_partial) when the unmerged scratch (groups x N fp32) would exceed both of these: a
 # size (below it the merge's memset and wait cost more than the memory: 128x257 fwd+bwd 6.7
-# -> 9.7 us, -tune8/a) and a share of dx (below it the scratch is within the target of dx + 2%;
-# above it, merging everywhere cost 1-3.5% of fwd+bwd time at 4096 fp32, 32768 and 65536,
-# -tune8/b). At the benchmark's 256 MiB shapes that merges at N = 16384 only (dx + 3.3% ->
-# 1.7%); at 128 MiB, wherever the scratch would be ~3% of dx.
+# -> 9.7 us, dweight-unmerged-bench.md against dweight-merge-everywhere-bench.md) and a share of dx
+# (below it the scratch is within the target of dx + 2%; above it, merging above 1 MiB alone cost
+# 2.0-3.5% of fwd+bwd time at 4096 fp32, 32768 and 65536, dweight-merge-above-1MiB-bench.md). At the
+# benchmark's 256 MiB shapes that merges at N = 16384 only (peak extra 264.4 -> 260.2 MiB, dx + 3.3% ->
+# 1.6%); at 128 MiB, wherever the scratch would be ~3% of dx.
 MERGE_SCRATCH_BYTES = 1 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
 # dweight reduction tile (reduce_tile): a stage's partial rows per step, up to REDUCE_BLOCK_P,
 # times as many columns as keep the tile at REDUCE_TILE elements (16 KiB of fp32 per program).
 # Fixed (32 x 128) tiles left most of a tile's rows masked where a stage has few rows: 7.85 us
-# for 4 partial rows at N = 262144, 2048 programs (profiling/NOTES.md, session 9).
+# for 4 partial rows at N = 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows,
+# 2.40 us (profiling/results/2026-11-30-h200-final18/).
 REDUCE_TILE = 4096
 REDUCE_BLOCK_P = 128
 # Rows per split of a two-stage reduction's first stage, at least.
