@@ -7,6 +7,7 @@ run to run. Every threshold below is one place; change it here only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -35,14 +36,19 @@ MAX_SPLIT = 128
 FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
-    # N=4096: without masks (mask_free, where M is a multiple of the rows per program) 96.9%, 97.1% (masked 95.4%,
-    # 95.7%), fp16 96.9% twice (96.1%); at 256 and 1024 a wash (+-0.1; fwd-mask-free-r1.json, -r2.json)
-    (4096, 16384, 8, dict(mask_free=True)),
+    # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
+    # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung below before:
+    # 79.1%); N=3584 1 row x 8 warps 91.3% (4 rows 84.3%), N=4096 91.0% (4 rows 89.2%).
+    (2048, 4096, 8, dict(mask_free=True)),
+    (4096, 4096, 8, dict(mask_free=True)),
+    # N=5120 1 row x 8 warps 84.2% (looped 4096 x 16, the rung above before: 71.5%), 7168 94.0% (89.8%); at
+    # N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
+    (8191, 8192, 8, {}),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
     # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
     # 96.1%); 32768 at 8192 x 32 warps 93.9% (single-pass x 16 warps 90.5%). Without masks where N is a multiple
     # of the step (mask_free): 8192 98.6% (97.6%), 16384 97.5% (97.0%), 32768 98.1% (94.0%; fwd-looped-unmasked.json
-    # against table-base.json). Without masks the loops also have a known length (kernels.loop_steps), which
+    # against table-base.json). Without masks the loops also have a known length (launch.loop_steps), which
     # Triton unrolls, as in Inductor's kernels: 8192 99.7% (98.3-98.4%), 16384 97.3-97.5% (97.1-97.2%), 32768
     # 97.9-98.1% (97.7-97.8%; fwd-loop-steps-r1/r2.json against fwd-loop-runtime-bound-r1/r2.json).
     (16384, 4096, 16, dict(looped=True, mask_free=True)),
@@ -78,12 +84,17 @@ FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moves results by up to 12 points
 # either way, by N and dtype: bwd-loop-form.json). Figures by bench timing (near-table.json) unless marked.
 BWD_LADDER = (
+    # N=128 (head norms: 131072 rows, sweep.json): 32 rows x 16 warps, 2 programs per SM 70.5% (the N=256 rung:
+    # 55.0%).
+    (128, 4096, 16, dict(programs_per_sm=2)),
     # N=256: 32 rows, counted loop 90.1% (in-kernel bounds 88.7%); rows prefetched a tile ahead (stages 2):
     # 85.5% against 83.5% under do_bench (staged.json)
     (256, 8192, 4, dict(programs_per_sm=4, stages=2, counted_loop=True)),
     # N=1024: 92.0% (8 rows 92.5%, a tie; without prefetch 91.8%); do_bench: 4 programs per SM 84.5% against
     # 87.6% (bwd-loop-form.json)
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2)),
+    # N=2048 at 8192 rows: 8 rows x 8 warps, 1 program per SM 60.3% (16 warps, 2 per SM: 43.6%; sweep.json)
+    (2048, 16384, 8, {}),
     (4096, 16384, 16, dict(programs_per_sm=2)),  # 90.4% (counted loop 90.3%, 4 programs per SM 87.7%)
     (8192, 16384, 16, {}),  # 91.5% (counted loop 78.2%, 2 programs per SM 89.8%)
     # N=16384: x and dy read a second time after the row sum (reload), counted loop: 87.1% (in-kernel bounds
@@ -203,6 +214,20 @@ def _config(n: int, ladder: tuple, split_ladder: tuple) -> KernelConfig:
     _, split_block, warps, options = next(rung for rung in split_ladder if n <= rung[0])
     split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)
     return KernelConfig(next_power_of_2(cdiv(n, split)), 1, warps, split, **options)
+
+
+def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig:
+    """``cfg`` with fewer rows per program where M is small, so that the grid still spreads over
+    the multiprocessors: at 16 rows of 2048 a rung's 8 rows per program left 2 programs doing all
+    the work. A single-pass forward keeps at least one program per SM while it can; the backward
+    (``row_groups``) at least one row group per SM."""
+    if cfg.split > 1 or cfg.looped or cfg.rows == 1 or type(m) is not int:
+        return cfg
+    target = sm_count(device) * (cfg.programs_per_sm if cfg.programs_per_sm > 1 else 1)
+    rows = cfg.rows
+    while rows > 1 and cdiv(m, rows) < target:
+        rows //= 2
+    return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows, mask_free=False)
 
 
 @functools.cache

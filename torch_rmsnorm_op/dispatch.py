@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from torch_rmsnorm_op.config import MAX_N, KernelConfig, backward_config, forward_config, sm_count
+from torch_rmsnorm_op.config import MAX_N, KernelConfig, backward_config, fit_to_rows, forward_config, sm_count
 from torch_rmsnorm_op.layout import RowLayout, row_layout, row_stride
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -132,8 +132,9 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
             return reason
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         n = int(x.shape[-1])
-        return Plan(forward_config(n, sum_dtype), layout, x.numel() // n, n, ROUND_CODES[norm_dtype],
-                    float(weight_offset), store_rstd)
+        m = x.numel() // n
+        cfg = fit_to_rows(forward_config(n, sum_dtype), m, x.device)
+        return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd)
 
     if not _is_concrete(x):  # traced: sizes may be symbolic, nothing to keep
         return make()
@@ -154,7 +155,9 @@ def backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, *, we
         if reason is not None:
             return reason
         n = int(x.shape[-1])
-        return Plan(backward_config(n, x.dtype), layout, x.numel() // n, n, weight_offset=float(weight_offset))
+        m = x.numel() // n
+        return Plan(fit_to_rows(backward_config(n, x.dtype), m, x.device), layout, m, n,
+                    weight_offset=float(weight_offset))
 
     if not _is_concrete(x):
         return make()
