@@ -71,3 +71,12 @@ def test_a_failing_comparison_shows_a_ratio_above_one():
     comp = campaign.compare("y", out, ref, 1e-3, 1e-4)
     assert not comp.passed and comp.worst_ratio == pytest.approx(2e-2 / (1e-3 + 1e-2))
     assert campaign.compare("y", ref.clone(), ref, 1e-3, 1e-4).worst_ratio == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
+@pytest.mark.parametrize("command", ["bench"])
+def test_benchmarks_without_a_gpu_say_so(command):
+    out = _run(command, "--out", "/nonexistent")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{command}: no CUDA GPU here" in out.stderr and f"{command} --smoke" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""

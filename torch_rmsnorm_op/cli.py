@@ -91,9 +91,16 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+NO_GPU = ("{command}: no CUDA GPU here, and it measures GPU time. `python -m torch_rmsnorm_op {command} --smoke` "
+          "runs the machinery at a tiny size on CPU (its times are not GPU timings).")
+
+
 def _bench(args: argparse.Namespace) -> int:
     from torch_rmsnorm_op.tools.benchmark import run
 
+    if not args.smoke and not torch.cuda.is_available():
+        print(NO_GPU.format(command="bench"), file=sys.stderr)
+        return 2
     stem = run(args.out, args.iters, args.repeats, args.quick, args.smoke)
     print(open(stem + ".md").read())
     print(f"wrote {stem}.json, .md, .png")
