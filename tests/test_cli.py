@@ -25,7 +25,7 @@ def _table(stdout: str) -> list[list[str]]:
 def test_help_lists_commands():
     out = _run("--help")
     assert out.returncode == 0
-    assert all(command in out.stdout for command in ("check", "demo", "bench", "train-integration"))
+    assert all(command in out.stdout for command in ("check", "demo", "bench", "bench-models", "train-integration"))
 
 
 def test_check_prints_table_progress_and_passes():
@@ -74,7 +74,7 @@ def test_a_failing_comparison_shows_a_ratio_above_one():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
-@pytest.mark.parametrize("command", ["bench"])
+@pytest.mark.parametrize("command", ["bench", "bench-models"])
 def test_benchmarks_without_a_gpu_say_so(command):
     out = _run(command, "--out", "/nonexistent")
     assert out.returncode == 2, out.stdout + out.stderr
