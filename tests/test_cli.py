@@ -1,20 +1,82 @@
 """The command line, run as a user would."""
 
+import re
 import subprocess
 import sys
+
+import pytest
+import torch
+
+from torch_rmsnorm_op.cli import main
+from torch_rmsnorm_op.tools import campaign
 
 
 def _run(*args):
     return subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", *args], capture_output=True, text=True)
 
 
+def _table(stdout: str) -> list[list[str]]:
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in (["float32"], ["float16"],
+                                                                                  ["bfloat16"])]
+    assert rows, stdout
+    return rows
+
+
 def test_help_lists_commands():
     out = _run("--help")
-    assert out.returncode == 0 and "check" in out.stdout
+    assert out.returncode == 0
+    assert all(command in out.stdout for command in ("check", "demo", "bench", "bench-models", "train-integration"))
 
 
-def test_check_prints_table_and_passes():
+def test_check_prints_table_progress_and_passes():
     out = _run("check", "--dtype", "float16", "--large-n", "20000")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "device: " in out.stdout and "float16   dweight     32" in out.stdout
     assert "all cases pass" in out.stdout
+    # Progress by default, on stderr (a line per tenth when stderr is not a terminal).
+    lines = [line for line in out.stderr.splitlines() if re.match(r"\d+/64 cases, \d+ s: float16-", line)]
+    assert 10 <= len(lines) <= 12 and lines[-1].startswith("64/64 cases"), out.stderr
+
+
+def test_check_table_shows_the_applied_tolerance(monkeypatch, capsys):
+    """Each row shows the atol applied (dweight's grows with sqrt(M)), the rtol, and the worst ratio of
+    error to allowed error, which is <= 1 exactly where the row passes, whatever max abs err shows."""
+    every = campaign.cases
+    monkeypatch.setattr(campaign, "cases", lambda **kw: [c for c in every(**kw) if c.n in (257, 4097)])
+    assert main(["check", "--dtype", "bfloat16", "--quiet"]) == 0
+    out = capsys.readouterr()
+    assert "worst err/allowed" in out.out and "atol applied" in out.out
+    rows = {row[1]: row for row in _table(out.out)}
+    atol, rtol = campaign.TOLERANCES[torch.bfloat16]
+    assert rows["dweight"][5] == f"{atol:.2e}..{atol * 17 ** 0.5:.2e}"  # M in (1, 17)
+    assert rows["y"][5] == f"{atol:.2e}" and rows["y"][6] == f"{rtol:.2e}"
+    for row in rows.values():
+        assert row[-1] == "yes" and float(row[-2]) <= 1.0, row
+
+
+def test_check_quiet_and_no_progress_are_silent(monkeypatch, capsys):
+    every = campaign.cases
+    monkeypatch.setattr(campaign, "cases", lambda **kw: every(**kw)[:3])
+    for flag in ("--quiet", "--no-progress"):
+        assert main(["check", "--dtype", "float32", flag]) == 0
+        out = capsys.readouterr()
+        assert out.err == "" and "all cases pass" in out.out, flag
+    assert main(["check", "--dtype", "float32"]) == 0
+    assert "3/3 cases" in capsys.readouterr().err
+
+
+def test_a_failing_comparison_shows_a_ratio_above_one():
+    ref = torch.tensor([1.0, 100.0], dtype=torch.float64)
+    out = ref + torch.tensor([0.5e-3, 2e-2], dtype=torch.float64)  # allowed: 1e-3 + 1e-4 * |ref|
+    comp = campaign.compare("y", out, ref, 1e-3, 1e-4)
+    assert not comp.passed and comp.worst_ratio == pytest.approx(2e-2 / (1e-3 + 1e-2))
+    assert campaign.compare("y", ref.clone(), ref, 1e-3, 1e-4).worst_ratio == 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
+@pytest.mark.parametrize("command", ["bench", "bench-models"])
+def test_benchmarks_without_a_gpu_say_so(command):
+    out = _run(command, "--out", "/nonexistent")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert f"{command}: no CUDA GPU here" in out.stderr and f"{command} --smoke" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""

@@ -3,12 +3,16 @@
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+
+from torch_rmsnorm_op.tools.demo import plot_summary
+from torch_rmsnorm_op.tools.trace_summary import RunSummary
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,37 @@ def test_demo_writes_runs_summary_and_says_how_to_view(demo_logdir):
     assert (logdir / "summary.png").stat().st_size > 0
     if "CPU" in summary:
         assert "not GPU timings" in summary
+
+
+def _png_description(path) -> str:
+    data, pos = path.read_bytes(), 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        if data[pos + 4:pos + 8] == b"tEXt":
+            key, _, value = data[pos + 8:pos + 8 + length].partition(b"\0")
+            if key == b"Description":
+                return value.decode("latin-1")
+        pos += 12 + length
+    raise AssertionError(f"{path} has no Description")
+
+
+def test_demo_chart_says_what_its_times_are(demo_logdir):
+    logdir, _ = demo_logdir
+    on_cpu = "CPU" in (logdir / "summary.md").read_text()
+    description = _png_description(logdir / "summary.png")
+    if on_cpu:
+        assert "Triton interpreter" in description and "not GPU timings" in description
+    else:
+        assert description.startswith("GPU kernel time")
+
+
+@pytest.mark.parametrize("where", ["cpu", "cuda"], ids=["interpreter-times", "gpu-times"])
+def test_chart_labels_follow_the_device(tmp_path, where):
+    gpu = where == "cuda"
+    runs = [RunSummary("stock", 3, gpu, total_us=100.0), RunSummary("patched", 3, gpu, {"k": (5, 20.0)}, 90.0)]
+    assert plot_summary(runs, str(tmp_path / "chart.png"), where)
+    description = _png_description(tmp_path / "chart.png")
+    assert ("not GPU timings" in description) == (not gpu)
 
 
 def _get(port, path):

@@ -59,6 +59,7 @@ class Comparison:
     atol: float
     rtol: float
     passed: bool
+    worst_ratio: float  # max over elements of |out - ref| / (atol + rtol * |ref|): passes iff <= 1
 
 
 def cases(large_n: int = LARGE_N_CPU, dtypes: tuple[torch.dtype, ...] = DTYPES) -> list[Case]:
@@ -74,18 +75,23 @@ def _rows(m: int, n: int, dtype: torch.dtype, device: torch.device, strided: boo
 
 
 def compare(quantity: str, out: Tensor, ref: Tensor, atol: float, rtol: float) -> Comparison:
-    """Elementwise ``|out - ref| <= atol + rtol * |ref|``; NaN/inf in ``out`` fails."""
+    """Elementwise ``|out - ref| <= atol + rtol * |ref|``; NaN/inf in ``out`` fails. ``max_abs`` and
+    ``max_rel`` are maxima over all elements taken separately (either may exceed its tolerance in
+    a passing comparison, on different elements); ``worst_ratio`` is the error over the allowed
+    error at the worst element, the number that decides."""
     out64 = out.detach().to("cpu", torch.float64)
     ref64 = ref.detach().to("cpu", torch.float64)
     err = (out64 - ref64).abs()
     finite = bool(torch.isfinite(out64).all())
-    passed = finite and bool((err <= atol + rtol * ref64.abs()).all())
+    allowed = atol + rtol * ref64.abs()
+    passed = finite and bool((err <= allowed).all())
     if err.numel() == 0:
-        return Comparison(quantity, 0.0, 0.0, atol, rtol, passed)
+        return Comparison(quantity, 0.0, 0.0, atol, rtol, passed, 0.0)
     big = ref64.abs() > atol
     max_rel = float((err[big] / ref64.abs()[big]).max()) if big.any() else 0.0
     max_abs = float(err.max()) if finite else math.inf
-    return Comparison(quantity, max_abs, max_rel if finite else math.inf, atol, rtol, passed)
+    worst = float((err / allowed).max()) if finite else math.inf
+    return Comparison(quantity, max_abs, max_rel if finite else math.inf, atol, rtol, passed, worst)
 
 
 def run_case(case: Case, device: torch.device, kernels: ModuleType | None = None, seed: int = 0) -> list[Comparison]:

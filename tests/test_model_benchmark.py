@@ -1,0 +1,222 @@
+"""The model benchmark's machinery: a smoke run end to end, the byte floor, kernel attribution, the swaps."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_rmsnorm_op.tools import model_benchmark as mb
+
+ROW_FIELDS = {"model", "hidden", "layers", "tokens", "mode", "pass", "impl", "step_ms", "gpu_ms", "norm_kernels",
+              "reference", "matches_reference", "norm_modules", "norm_modules_swapped", "norm_floor_bytes",
+              "norm_floor_bytes_without_adds", "copy_GBs", "compile_s"}
+TRAIN_FIELDS = {"loss", "loss_abs_err", "loss_rel_err", "grad_rel_l2_err"}
+INFER_FIELDS = {"logits_max_abs_err", "logits_max_rel_err", "logits_rel_l2_err"}
+
+
+def _png_text(path) -> dict[str, str]:
+    """The tEXt chunks of a PNG file."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, pos = {}, 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            chunks[key.decode("latin-1")] = value.decode("latin-1")
+        pos += 12 + length
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("models")
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--smoke", "--out", str(out_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (path,) = out_dir.glob("*-models-smoke.json")
+    return path, json.loads(path.read_text()), out.stdout
+
+
+def test_smoke_run_writes_the_declared_schema(smoke):
+    path, result, _ = smoke
+    assert {"gpu", "torch", "triton", "transformers", "liger_kernel", "date", "copy_GBs", "timing", "tolerances",
+            "rows"} <= set(result)
+    cpu = result["gpu"] == "cpu-interpreter"
+    impls = {"stock", "patched"} | ({"liger"} if result["liger_kernel"] and not cpu else set())
+    assert {(r["model"], r["pass"], r["impl"]) for r in result["rows"]} == {
+        ("llama", p, i) for p in ("train", "infer") for i in impls}
+    for row in result["rows"]:
+        assert "error" not in row, row
+        assert ROW_FIELDS | (TRAIN_FIELDS if row["pass"] == "train" else INFER_FIELDS) <= set(row), row
+        assert (row["tokens"], row["mode"], row["hidden"], row["layers"]) == ("1x8", "default", 64, 2)
+        assert row["step_ms"] > 0 and row["matches_reference"], row
+        assert row["reference"] == ("eager" if row["impl"] == "stock" else "stock")
+        assert (row["gpu_ms"] is None) if cpu else (row["gpu_ms"] > 0), row
+        spec = mb.ModelSpec.of(row["model"], 64, smoke=True)
+        assert row["norm_floor_bytes"] == mb.norm_byte_floor(spec, 8, row["pass"])
+        assert row["norm_modules"] == 5
+        if row["impl"] == "patched":
+            assert row["norm_modules_swapped"] == row["norm_modules"]
+            ours = {name: k for name, k in row["norm_kernels"].items() if k["source"] == "ours"}
+            if cpu:  # our ops, once per norm and direction
+                want = {"rmsnorm::fwd"} | ({"rmsnorm::bwd"} if row["pass"] == "train" else set())
+                assert set(ours) == want, row["norm_kernels"]
+                assert all(k["calls"] == row["norm_modules"] for k in ours.values()), ours
+            else:
+                assert "_rms_norm_fwd" in {name.split("(")[0] for name in ours}, ours
+
+
+def test_smoke_run_writes_markdown_and_chart(smoke):
+    path, result, stdout = smoke
+    md = path.with_suffix(".md").read_text()
+    assert "| model | hidden×layers | tokens | mode | pass | stock ms | patched ms |" in md
+    assert "| patched/stock |" in md
+    for pass_ in ("train", "infer"):
+        assert f"| llama | 64×2 | 1x8 | default | {pass_} |" in md
+    assert "error" not in md.split("|---|")[-1]
+    png = path.with_suffix(".png")
+    assert png.stat().st_size > 0
+    assert _png_text(png)["Description"] == result["timing"]
+    if result["gpu"] == "cpu-interpreter":
+        assert "not GPU timings" in md and "not GPU timings" in result["timing"]
+    assert "compile + measure" in stdout and "wrote " in stdout
+
+
+def test_norm_byte_floor_by_hand():
+    """Llama, hidden 64, 2 layers, 10 tokens, bf16 (2 bytes); a site is 10 x 64 = 640 elements, 1280 bytes.
+    Sites: layer 0's input norm plain; 4 with a residual (2 post-attention, layer 1's input, final).
+    Forward: 1 x 2 x 1280 + 4 x 4 x 1280 = 23040. Backward: 1 x 3 x 1280 + 4 x 4 x 1280 = 24320.
+    Without the adds: forward 5 x 2 x 1280 = 12800, backward 5 x 3 x 1280 = 19200.
+    Qwen3 adds per layer q_norm (10 x 4 heads rows of 16) and k_norm (10 x 2 kv heads rows of 16), plain:
+    2 layers x 960 elements x 2 bytes = 3840 bytes a direction-element: forward +2 x 3840, backward +3 x 3840."""
+    llama = mb.ModelSpec("llama", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.norm_byte_floor(llama, 10, "infer") == 23040
+    assert mb.norm_byte_floor(llama, 10, "train") == 23040 + 24320
+    assert mb.norm_byte_floor(llama, 10, "infer", with_adds=False) == 12800
+    assert mb.norm_byte_floor(llama, 10, "train", with_adds=False) == 12800 + 19200
+    qwen3 = mb.ModelSpec("qwen3", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.norm_byte_floor(qwen3, 10, "infer") == 23040 + 7680
+    assert mb.norm_byte_floor(qwen3, 10, "train") == 23040 + 24320 + 7680 + 11520
+    assert mb.norm_byte_floor(llama, 10, "train", elem_bytes=4) == 2 * (23040 + 24320)
+    with pytest.raises(ValueError, match="pass must be one of"):
+        mb.norm_byte_floor(llama, 10, "backward")
+
+
+@pytest.mark.parametrize("family", sorted(mb.FAMILIES))
+def test_norm_sites_match_the_models_modules(family):
+    """The floor's site list has one site per RMSNorm module the transformers class builds, with its width."""
+    spec = mb.ModelSpec.of(family, mb.SMOKE_HIDDEN, layers=3, smoke=True)
+    model = mb.build_model(spec, torch.device("cpu"), torch.float32)
+    widths = sorted(m.weight.shape[0] for m in mb.norm_modules(model))
+    assert widths == sorted(site.cols for site in mb.norm_sites(spec, 5) for _ in range(site.count))
+    weights = [m.weight for m in mb.norm_modules(model)]
+    assert all(0.5 <= w.min() and w.max() <= 1.5 and w.std() > 0 for w in weights)  # random, not ones
+
+
+def test_norm_kernels_are_attributed_by_name():
+    """Names as the H200 profiler reports them (torch 2.11, Triton 3.6, liger_kernel 0.8.5)."""
+    cases = {
+        "triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_10": "inductor",
+        "triton_red_fused__to_copy_add_embedding_mean_mul_pow_rsqrt_0": "inductor",
+        "triton_per_fused__to_copy_add_div_expand_mul_pow_sum_view_1": "inductor",  # a norm's backward
+        "_rms_norm_fwd": "ours",
+        "_rms_norm_bwd": "ours",
+        "_rms_norm_dw_reduce": "ours",
+        "_rms_norm_forward_kernel": "liger",
+        "_rms_norm_backward_kernel": "liger",
+        "_block_rms_norm_forward_kernel": "liger",
+        "triton_red_fused_sum_8": None,
+        "triton_poi_fused__unsafe_view_mul_silu_5": None,
+        "Memset (Device)": None,
+        "nvjet_sm90_tst_128x256_64x4_1x2_h_bz_coopA_NNT": None,
+    }
+    assert {name: mb.norm_kernel_source(name) for name in cases} == cases
+
+
+def test_implementations_swap_and_restore():
+    spec = mb.ModelSpec.of("qwen3", mb.SMOKE_HIDDEN, smoke=True)
+    model = mb.build_model(spec, torch.device("cpu"))
+    before = [(name, type(m)) for name, m in model.named_modules()]
+    weights = {id(m.weight) for m in mb.norm_modules(model)}
+    impls = ["stock", "patched"] + (["liger"] if mb.liger_available() else [])
+    for impl in impls:
+        with mb.implementation(model, impl) as (swapped, _):
+            assert swapped == (0 if impl == "stock" else 9)
+            norm_params = {id(p) for name, p in model.named_parameters() if "norm" in name}
+            assert norm_params == weights  # the same Parameters, whoever holds them
+            if impl == "liger":
+                from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+                assert sum(isinstance(m, LigerRMSNorm) for m in model.modules()) == 9
+        assert [(name, type(m)) for name, m in model.named_modules()] == before, impl
+    with pytest.raises(ValueError, match="impl must be one of"):
+        with mb.implementation(model, "apex"):
+            pass
+
+
+def test_selection_rejects_bad_input():
+    with pytest.raises(ValueError, match="models must be"):
+        mb.Selection(models=("gpt2",))
+    with pytest.raises(ValueError, match="hidden must be"):
+        mb.Selection(hiddens=(1024,))
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        mb.Selection(steps=0)
+    with pytest.raises(ValueError, match="need the inductor backend"):
+        mb.Selection(backend="aot_eager", modes=("default", "reduce-overhead"))
+    full = mb.Selection()
+    assert full.compiles() == 3 * 2 * 2 * 2 * 3 * 2
+
+
+def test_results_merge_only_with_the_same_versions(tmp_path):
+    header = {"gpu": "NVIDIA H200", "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0",
+              "liger_kernel": "0.8.5"}
+    stem = str(tmp_path / "run")
+    assert mb.previous_rows(stem, header, fresh=False) == []
+    rows = [{"model": "llama", "step_ms": 1.0}]
+    (tmp_path / "run.json").write_text(json.dumps({**header, "rows": rows}))
+    assert mb.previous_rows(stem, header, fresh=False) == rows
+    assert mb.previous_rows(stem, header, fresh=True) == []
+    with pytest.raises(ValueError, match="other torch: pass --fresh"):
+        mb.previous_rows(stem, {**header, "torch": "2.12.0"}, fresh=False)
+
+
+def test_cli_rejects_bad_lists_before_running(capsys):
+    from torch_rmsnorm_op.cli import main
+
+    for args, message in ((["--tokens", "4x"], "argument --tokens"), (["--modes", "max-autotune"], "argument --modes"),
+                          (["--hidden", "2048,1000"], "argument --hidden")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench-models", *args])
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
+    assert main(["bench-models", "--models", "llama", "--hidden", "2048", "--tokens", "1x16", "--plan"]) == 0
+    assert "12 compiles" in capsys.readouterr().out  # 2 modes x 3 impls x 2 passes
+
+
+def test_compile_workers_each_get_one_model(capsys):
+    """Each worker's command line parses and selects exactly one compiled model of the run."""
+    from torch_rmsnorm_op.cli import main
+
+    for smoke in (False, True):
+        sel = mb.Selection(models=("llama", "qwen3"), tokens=((1, 16),), impls=("stock", "patched"),
+                           modes=("default",) if smoke else mb.MODES, backend="aot_eager" if smoke else "inductor",
+                           smoke=smoke, layers=3)
+        cmds = mb.worker_commands(sel)
+        assert len(cmds) == sel.compiles() // len(sel.passes)
+        for cmd, _ in cmds:
+            assert cmd[3:5] == ["bench-models", "--compile-only"]
+            assert main(cmd[3:] + ["--plan"]) == 0
+            out = capsys.readouterr().out
+            assert f"{len(sel.passes)} compiles" in out and ", 3 layers," in out, out
+
+
+def test_compile_only_compiles_without_timing(capsys):
+    sel = mb.Selection(models=("llama",), tokens=((1, 8),), modes=("default",), passes=("infer",),
+                       impls=("stock",), backend="aot_eager", smoke=True)
+    mb.compile_only(sel)
+    assert "llama 64 1x8 default stock infer: compiled in" in capsys.readouterr().out

@@ -1,0 +1,953 @@
+"""Model benchmark: Hugging Face decoders compiled stock, patched with our ops, and with Liger's RMSNorm.
+
+Every model is a transformers class built from a config (no downloads), in
+bf16, with ``attn_implementation="sdpa"``, vocabulary 32000, random weights
+(RMSNorm weights drawn from U(0.5, 1.5)) and random token ids. One
+configuration is (model, hidden, layers, tokens, mode, pass, impl):
+
+- ``impl``: ``stock`` is ``torch.compile(model)``; ``patched`` is
+  ``torch_rmsnorm_op.patch_rmsnorm(model)`` then ``torch.compile``, run under
+  the ``"error"`` fallback policy (a norm the kernels do not serve fails the
+  row instead of timing the reference); ``liger`` swaps each RMSNorm module of
+  this model instance for ``liger_kernel``'s ``LigerRMSNorm`` holding the same
+  weight Parameter (no global class is touched), then compiles; it runs only
+  where ``liger_kernel`` imports. All three share the same model object and
+  weights; a row's model is restored before the next one.
+- ``mode``: ``torch.compile``'s ``default`` or ``reduce-overhead`` (CUDA graphs;
+  each step then begins with ``torch.compiler.cudagraph_mark_step_begin()``).
+- ``pass``: ``train`` is a forward with ``labels`` (the model's own loss) and
+  ``loss.backward()``, the parameters' grads set to None before each step
+  (outside the timed span); ``infer`` is a forward under ``torch.no_grad()``.
+  One compiled model serves both passes (Dynamo compiles a graph for each
+  grad mode); ``torch.compiler.reset()`` runs between compiled models.
+
+What each number is:
+
+- ``step_ms``: median over ``steps`` steps of the time between two CUDA events
+  recorded on the stream around each step, after ``warmup`` steps (the first
+  of which compiles). It includes the host time of a step where the GPU waits
+  for the host (small token counts). In a ``--smoke`` run on CPU it is wall
+  time through the Triton interpreter: **not a GPU timing**.
+- ``gpu_ms``: GPU time per step: the sum of the device durations of every
+  kernel, memset and memcpy over a ``torch.profiler`` window of
+  ``profile_steps`` steps, divided by the steps; idle gaps are not counted.
+- ``norm_kernels``: the norm-related device kernels of that window by name,
+  ``{"us": time per step, "calls": launches per step, "source": ...}``: ours
+  and Liger's by their Triton names (``_rms_norm*``; Liger's
+  ``_rms_norm_forward_kernel`` / ``_rms_norm_backward_kernel`` and their
+  ``_block_`` variants), Inductor's as the fused kernels whose names hold
+  ``rsqrt`` or ``pow`` (nothing else in these models computes either, the
+  marker list of ``trace_summary.NORM_MARKERS``). Inductor fuses neighbours
+  into them (residual adds, casts, the embedding, RoPE in Qwen3's q/k norms):
+  their whole time counts as the norm's. Not counted: memsets, and weight
+  gradients reduced by kernels that hold neither marker (Liger's ``dW`` sum,
+  Inductor's ``..._mul_sum`` reductions where the scheduler splits them off).
+  ``norm_us`` is their sum.
+- ``norm_floor_bytes``: the least bytes all RMSNorm sites of one step must move
+  (``norm_byte_floor``), counting the residual add as part of the norm where
+  the decoder adds a residual just before it (every norm but layer 0's input
+  norm and Qwen3's q/k norms): forward plain x→y ``2·M·N·e``, forward with the
+  residual (read x and the residual, write y and the sum) ``4·M·N·e``;
+  backward plain (read dy and x, write dx) ``3·M·N·e``, backward with the
+  residual (read dy, the sum and the gradient arriving at the sum, write dx)
+  ``4·M·N·e``. ``e`` is the activation's element size; weights, rstd and
+  dweight are not counted. The final norm's sum feeds nothing else (a kernel
+  could skip writing it, and no gradient arrives at it); it is counted like
+  the other residual sites all the same, as the floor is defined. ``norm_floor_bytes_without_adds`` counts every site
+  as plain. ``norm_pct_of_copy`` (and ``..._without_adds``) is that floor over
+  ``norm_us`` over the copy ceiling ``copy_GBs`` (a 2 GiB bf16
+  device-to-device copy, read + write counted, measured in the same run as
+  ``tools/benchmark.py`` does): the first is meaningful for kernels that do
+  the residual add, the second for kernels that only normalize.
+- Correctness against the reference: ``reference`` is ``stock`` (the stock
+  compiled model in the same mode) for the other impls, ``eager`` (the
+  uncompiled stock model) for stock itself. Train rows: ``loss``,
+  ``loss_abs_err``, ``loss_rel_err`` and ``grad_rel_l2_err`` (over all RMSNorm
+  weights' gradients); infer rows: ``logits_max_abs_err``,
+  ``logits_max_rel_err`` (max abs error over the reference's max ``|logit|``)
+  and ``logits_rel_l2_err``. ``matches_reference`` compares them with
+  ``TOLERANCES``, taken from the first (compiling) step.
+
+Also in each row: the model's shape (``intermediate``, ``heads``,
+``kv_heads``, ``head_dim``, ``vocab``), ``norm_modules`` (RMSNorm modules in
+the model) and ``norm_modules_swapped`` (by the impl), ``compile_s`` (the
+pass's first step, compiling included), ``step_ms_min`` / ``step_ms_max``,
+``peak_mem_GiB`` (``max_memory_allocated`` over the timed and profiled steps,
+the model included), ``top_kernels`` (the window's costliest device kernels,
+µs per step), ``commit``, ``run_started`` and ``backend``; ``error`` instead of
+the measurements where the configuration failed.
+
+Output: ``<out>/<date>-<gpu>-models.json`` with ``gpu``, ``torch``,
+``triton``, ``transformers``, ``liger_kernel``, ``date``, ``copy_GBs``,
+``timing``, ``tolerances``, ``selection`` (of the latest run) and ``rows``, a
+Markdown table (``.md``) and a PNG chart (``.png``) beside it, all rewritten
+after every row. A run merges into
+the file of its date and GPU: rows of configurations it does not measure are
+kept (each row carries its run's ``commit``, ``run_started`` and
+``copy_GBs``), so a matrix can be measured in several runs. Compile time
+dominates a run; ``compile_s`` records each pass's first step, and
+``--compile-jobs`` fills Inductor's on-disk caches from parallel worker
+processes before the serial timing (the timing process then loads compiled
+graphs from the cache).
+
+How long a run takes: on the H200 (torch 2.11, Triton 3.6, caches cold) a
+training graph of these models compiles in 13–26 s and an inference graph in
+5–14 s, so a compiled model costs about 35 s with its timing; the default
+matrix (3 models x 2 sizes x 2 token counts x 2 modes x 3 impls = 72 compiled
+models, 144 compiles) takes about 45 minutes. One model at one size (12
+compiled models) takes about 8 minutes: run the matrix in such pieces, which
+merge into one file (``--plan`` prints a selection's compile count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import gc
+import importlib
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+# family -> (config class, model class) in transformers
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM"),
+}
+DEFAULT_MODELS = ("llama", "qwen3", "mistral")
+# Phi3's defaults put pad and eos at id 32000, outside a 32000-token vocabulary.
+FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None}}
+# Families whose attention normalizes q and k per head (rows of head_dim).
+QK_NORM_FAMILIES = frozenset({"qwen3"})
+
+VOCAB = 32000
+EPS = 1e-6
+MODES = ("default", "reduce-overhead")
+PASSES = ("train", "infer")
+IMPLS = ("stock", "patched", "liger")
+DEFAULT_TOKENS = ((4, 2048), (1, 16))
+SMOKE_TOKENS = ((1, 8),)
+
+
+@dataclass(frozen=True)
+class Size:
+    """The layer shape of one hidden size: the same for every family, so rows compare across families."""
+
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+# 2048: TinyLlama's MLP width, 16 heads of 128, grouped-query attention with 8 kv heads.
+# 4096: Llama-3-8B's and Mistral-7B's layer, 2 layers.
+SIZES: dict[int, Size] = {
+    2048: Size(layers=4, intermediate=5632, heads=16, kv_heads=8, head_dim=128),
+    4096: Size(layers=2, intermediate=14336, heads=32, kv_heads=8, head_dim=128),
+}
+SMOKE_HIDDEN = 64
+SMOKE_SIZE = Size(layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+SMOKE_VOCAB = 256
+
+# Declared before any comparison. bf16 through a whole model: every implementation rounds
+# differently at each norm (and Inductor fuses differently), and the difference grows with
+# depth; a wrong norm (a missing weight, a wrong eps or mean) is off by far more.
+TOLERANCES: dict[str, float] = {
+    "loss_rel": 5e-3,  # |loss - ref| / |ref|; the loss is computed in fp32 from bf16 logits
+    "grad_rel_l2": 5e-2,  # ||g - g_ref|| / ||g_ref|| over all RMSNorm weights' gradients
+    "logits_rel_l2": 2e-2,  # ||l - l_ref|| / ||l_ref||
+}
+
+COPY_NUMEL = 1 << 30  # 2 GiB of bf16, as tools/benchmark.py
+KERNEL_NAME_CHARS = 120  # top_kernels keys (GEMM template names run long); norm kernels keep full names
+TOP_KERNELS = 12
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One decoder: a family from ``FAMILIES`` and its shape."""
+
+    family: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int = VOCAB
+
+    @classmethod
+    def of(cls, family: str, hidden: int, layers: int | None = None, smoke: bool = False) -> ModelSpec:
+        """The benchmark's shape for ``hidden`` (``SIZES``; ``smoke``: the tiny one), ``layers`` overriding."""
+        if family not in FAMILIES:
+            raise ValueError(f"model must be one of {sorted(FAMILIES)}, got {family!r}")
+        if smoke:
+            size, vocab = SMOKE_SIZE, SMOKE_VOCAB
+        elif hidden in SIZES:
+            size, vocab = SIZES[hidden], VOCAB
+        else:
+            raise ValueError(f"hidden must be one of {sorted(SIZES)}, got {hidden}")
+        return cls(family, hidden, size.layers if layers is None else layers, size.intermediate, size.heads,
+                   size.kv_heads, size.head_dim, vocab)
+
+    def config(self):
+        """The transformers config (sdpa attention, no KV cache, untied embeddings)."""
+        import transformers
+
+        config_cls = getattr(transformers, FAMILIES[self.family][0])
+        kwargs = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
+                      num_hidden_layers=self.layers, num_attention_heads=self.heads,
+                      num_key_value_heads=self.kv_heads, head_dim=self.head_dim, rms_norm_eps=EPS,
+                      max_position_embeddings=4096, tie_word_embeddings=False, use_cache=False,
+                      attn_implementation="sdpa")
+        kwargs.update(FAMILY_CONFIG_OVERRIDES.get(self.family, {}))
+        return config_cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class NormSite:
+    """``count`` RMSNorm sites normalizing ``rows`` x ``cols``; ``residual``: a residual add feeds it."""
+
+    name: str
+    rows: int
+    cols: int
+    residual: bool
+    count: int
+
+
+def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
+    """Every RMSNorm site of one forward over ``tokens`` tokens, as the decoder layers run them.
+
+    Layer 0's input norm reads the embedding; every other hidden-size norm (each layer's
+    post-attention norm, the input norm of layers 1.., the final norm) reads a residual sum
+    the decoder has just formed. Qwen3 also normalizes q and k per head: rows of head_dim."""
+    sites = [
+        NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1),
+        NormSite("post_attention_layernorm, input_layernorm (layers 1..), norm", tokens, spec.hidden, True,
+                 2 * spec.layers),
+    ]
+    if spec.family in QK_NORM_FAMILIES:
+        sites += [NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, spec.layers),
+                  NormSite("k_norm", tokens * spec.kv_heads, spec.head_dim, False, spec.layers)]
+    return sites
+
+
+def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2, with_adds: bool = True) -> int:
+    """Least bytes all RMSNorm sites of one step move (``pass_``: ``"infer"`` forward, ``"train"``
+    forward and backward). Per site of M x N elements of ``elem_bytes``: forward 2 (read x, write
+    y), or 4 with the residual (read x and the residual, write y and the sum); backward 3 (read
+    dy and x, write dx), or 4 with the residual (read dy, the sum and the sum's incoming
+    gradient, write dx). ``with_adds=False`` counts every site as plain."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    total = 0
+    for site in norm_sites(spec, tokens):
+        fused = with_adds and site.residual
+        per_element = (4 if fused else 2) + ((4 if fused else 3) if pass_ == "train" else 0)
+        total += site.count * per_element * site.rows * site.cols * elem_bytes
+    return total
+
+
+def norm_kernel_source(name: str) -> str | None:
+    """Who launched a norm-related device kernel, by its name: ``"liger"``, ``"ours"``,
+    ``"inductor"``, or None for a kernel that is not norm-related."""
+    from torch_rmsnorm_op.tools.trace_summary import NORM_MARKERS
+
+    if "rms_norm_forward_kernel" in name or "rms_norm_backward_kernel" in name:
+        return "liger"
+    if name.startswith("_rms_norm") or name.startswith("_add_rms_norm"):
+        return "ours"
+    if name.startswith("triton_") and any(m in name for m in NORM_MARKERS):
+        return "inductor"
+    return None
+
+
+_started: float | None = None  # monotonic time of the first progress line
+
+
+def _log(msg: str) -> None:
+    """A progress line: wall clock, seconds since the first line, the message (flushed)."""
+    global _started
+    if _started is None:
+        _started = time.monotonic()
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - _started:5.0f}s] {msg}", flush=True)
+
+
+def liger_available() -> str | None:
+    """``liger_kernel``'s version if its RMSNorm imports here, else None."""
+    try:
+        importlib.import_module("liger_kernel.transformers.rms_norm")
+    except Exception:  # absent, or present without a working Triton: either way, no liger rows
+        return None
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("liger_kernel")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _is_hf_rmsnorm(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+            and isinstance(weight, nn.Parameter) and weight.dim() == 1)
+
+
+def norm_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's RMSNorm modules (transformers' and ``nn.RMSNorm``), each once."""
+    return [m for m in model.modules() if _is_hf_rmsnorm(m) or isinstance(m, nn.RMSNorm)]
+
+
+@contextlib.contextmanager
+def _liger_swapped(model: nn.Module) -> Iterator[int]:
+    """Each transformers RMSNorm of this model instance replaced by a ``LigerRMSNorm`` (Llama
+    casting, Liger's defaults otherwise) holding the original weight Parameter; put back after."""
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+
+    swapped = []
+    for parent in list(model.modules()):
+        for attr, child in list(parent.named_children()):
+            if _is_hf_rmsnorm(child):
+                liger = LigerRMSNorm(child.weight.shape[0], eps=float(child.variance_epsilon))
+                liger.weight = child.weight
+                liger.train(child.training)
+                setattr(parent, attr, liger)
+                swapped.append((parent, attr, child))
+    try:
+        yield len(swapped)
+    finally:
+        for parent, attr, child in swapped:
+            setattr(parent, attr, child)
+
+
+StepContext = Callable[[], contextlib.AbstractContextManager]  # the context every step of an impl runs in
+
+
+@contextlib.contextmanager
+def implementation(model: nn.Module, impl: str) -> Iterator[tuple[int, StepContext]]:
+    """``model`` set up as ``impl`` for the block; yields (norm modules swapped, the context each
+    of its steps runs in). The model is restored on exit."""
+    import torch_rmsnorm_op as T
+
+    if impl == "stock":
+        yield 0, contextlib.nullcontext
+    elif impl == "patched":
+        with T.patched_rmsnorm(model) as report:
+            yield len(report.swapped), lambda: T.fallback_policy("error")
+    elif impl == "liger":
+        # Dynamo's mutation analysis of Liger's kernels fails (``eps.to(tl.float32)`` on a Python
+        # float; torch 2.11, liger_kernel 0.8.5) and logs the traceback as a warning at every kernel
+        # it traces (thousands of lines a model) before assuming every argument is mutated.
+        analysis_log = logging.getLogger("torch._higher_order_ops.triton_kernel_wrap")
+        level = analysis_log.level
+        analysis_log.setLevel(logging.ERROR)
+        try:
+            with _liger_swapped(model) as count:
+                yield count, contextlib.nullcontext
+        finally:
+            analysis_log.setLevel(level)
+    else:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+
+
+def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
+    """``spec``'s causal LM on ``device`` in ``dtype``: transformers' initialization, then every
+    RMSNorm weight drawn from U(0.5, 1.5) (so the weight's multiply is exercised)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = getattr(transformers, FAMILIES[spec.family][1])(spec.config())
+    model.to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for m in norm_modules(model):
+            m.weight.copy_(torch.rand(m.weight.shape, generator=gen, device=device) + 0.5)
+    return model
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What one run measures, and how."""
+
+    models: tuple[str, ...] = DEFAULT_MODELS
+    hiddens: tuple[int, ...] = tuple(SIZES)
+    tokens: tuple[tuple[int, int], ...] = DEFAULT_TOKENS
+    modes: tuple[str, ...] = MODES
+    passes: tuple[str, ...] = PASSES
+    impls: tuple[str, ...] = IMPLS
+    layers: int | None = None
+    steps: int = 20
+    warmup: int = 5
+    profile_steps: int = 5
+    backend: str = "inductor"
+    smoke: bool = False
+
+    def __post_init__(self) -> None:
+        for name, values, allowed in (("models", self.models, tuple(FAMILIES)), ("modes", self.modes, MODES),
+                                      ("passes", self.passes, PASSES), ("impls", self.impls, IMPLS)):
+            bad = [v for v in values if v not in allowed]
+            if bad or not values:
+                raise ValueError(f"{name} must be a non-empty list of {allowed}, got {list(values)}")
+        if not self.smoke:
+            bad = [h for h in self.hiddens if h not in SIZES]
+            if bad or not self.hiddens:
+                raise ValueError(f"hidden must be a non-empty list of {tuple(SIZES)}, got {list(self.hiddens)}")
+        if not self.tokens or any(b < 1 or s < 1 for b, s in self.tokens):
+            raise ValueError(f"tokens must be a non-empty list of BATCHxSEQ with both >= 1, got {self.tokens}")
+        if any(s > 4096 for _, s in self.tokens):
+            raise ValueError("tokens: the sequence length must be at most 4096 (max_position_embeddings)")
+        for name in ("steps", "warmup", "profile_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        if self.backend != "inductor" and self.modes != ("default",):
+            raise ValueError(f"modes other than 'default' need the inductor backend (backend is {self.backend!r})")
+
+    def specs(self) -> list[ModelSpec]:
+        hiddens = (SMOKE_HIDDEN,) if self.smoke else self.hiddens
+        return [ModelSpec.of(f, h, self.layers, self.smoke) for f in self.models for h in hiddens]
+
+    def compiles(self) -> int:
+        """How many graphs the run compiles (one per configuration and pass)."""
+        return len(self.specs()) * len(self.tokens) * len(self.modes) * len(self.impls) * len(self.passes)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_steps(step: Callable[[], object], before: Callable[[], None], n: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``n`` calls of ``step`` (``before`` runs ahead of each, untimed): CUDA
+    events recorded on the stream around each step on CUDA, wall time elsewhere."""
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for start, end in events:
+            before()
+            start.record()
+            step()
+            end.record()
+        torch.cuda.synchronize(device)
+        return [start.elapsed_time(end) for start, end in events]
+    for _ in range(n):
+        before()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def profile_window(step: Callable[[], object], before: Callable[[], None], n: int, device: torch.device) -> dict:
+    """Profile ``n`` steps. On CUDA: ``gpu_ms`` (all device kernels, memsets and memcpys per step),
+    ``norm_kernels`` and the ``top_kernels`` by time. Elsewhere the norm ``kernels`` are our
+    ``rmsnorm::`` CPU ops (their CPU time) and ``gpu_ms`` is None."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(n):
+            before()
+            step()
+        _sync(device)
+    time_us: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    for e in prof.events():
+        if (e.device_type == torch.autograd.DeviceType.CUDA) == cuda:
+            time_us[e.name] = time_us.get(e.name, 0.0) + e.time_range.elapsed_us()
+            calls[e.name] = calls.get(e.name, 0) + 1
+    if cuda:
+        sources = {name: norm_kernel_source(name) for name in time_us}
+        gpu_ms = sum(time_us.values()) / n / 1e3 if time_us else None
+    else:
+        sources = {name: ("ours" if name.startswith("rmsnorm::") else None) for name in time_us}
+        gpu_ms = None
+    norm = {name: {"us": round(time_us[name] / n, 2), "calls": round(calls[name] / n, 2), "source": src}
+            for name, src in sorted(sources.items(), key=lambda kv: -time_us[kv[0]]) if src}
+    top: dict[str, float] = {}
+    if cuda:
+        for name, us in time_us.items():
+            key = name[:KERNEL_NAME_CHARS]
+            top[key] = top.get(key, 0.0) + us / n
+    top = {k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
+    return {"gpu_ms": None if gpu_ms is None else round(gpu_ms, 4), "norm_kernels": norm, "top_kernels": top}
+
+
+@dataclass
+class Outputs:
+    """What a pass's first step produced, for the correctness check (detached copies, fp32)."""
+
+    loss: Tensor | None = None
+    grads: Tensor | None = None  # all RMSNorm weights' gradients, concatenated
+    logits: Tensor | None = None
+
+
+def _norm_grads(weights: Sequence[nn.Parameter]) -> Tensor:
+    grads = [w.grad for w in weights]
+    if any(g is None for g in grads):
+        raise RuntimeError("an RMSNorm weight received no gradient")
+    return torch.cat([g.detach().float().flatten() for g in grads])
+
+
+def _rel_l2(out: Tensor, ref: Tensor) -> float:
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def compare(out: Outputs, ref: Outputs) -> dict:
+    """Error fields of ``out`` against ``ref`` and ``matches_reference`` under ``TOLERANCES``."""
+    fields: dict = {}
+    ok = True
+    if out.loss is not None:
+        loss, want = out.loss.item(), ref.loss.item()
+        fields.update(loss=round(loss, 6), loss_abs_err=abs(loss - want), loss_rel_err=abs(loss - want) / abs(want))
+        grad = _rel_l2(out.grads, ref.grads)
+        fields["grad_rel_l2_err"] = grad
+        ok = fields["loss_rel_err"] <= TOLERANCES["loss_rel"] and grad <= TOLERANCES["grad_rel_l2"]
+    if out.logits is not None:
+        err = (out.logits - ref.logits).abs()
+        scale = ref.logits.abs().max().clamp_min(1e-30)
+        fields.update(logits_max_abs_err=err.max().item(), logits_max_rel_err=(err.max() / scale).item(),
+                      logits_rel_l2_err=_rel_l2(out.logits, ref.logits))
+        ok = ok and fields["logits_rel_l2_err"] <= TOLERANCES["logits_rel_l2"]
+    finite = all(v == v and abs(v) != float("inf") for v in fields.values())  # NaN fails
+    fields["matches_reference"] = bool(ok and finite)
+    return fields
+
+
+class Steps:
+    """The step functions of one (compiled) model on one input; ``norm_weights``: the RMSNorm
+    weight Parameters (the same objects whichever impl holds them)."""
+
+    def __init__(self, fn: Callable, model: nn.Module, ids: Tensor, cudagraphs: bool,
+                 norm_weights: Sequence[nn.Parameter]) -> None:
+        self.fn, self.model, self.ids, self.cudagraphs = fn, model, ids, cudagraphs
+        self.norm_weights = norm_weights
+
+    def clear_grads(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def train(self) -> Tensor:
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = self.fn(input_ids=self.ids, labels=self.ids).loss
+        loss.backward()
+        return loss
+
+    def infer(self) -> Tensor:
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad():
+            return self.fn(input_ids=self.ids).logits
+
+    def first(self, pass_: str) -> Outputs:
+        """Run one step of ``pass_`` (the compiling one) and keep its outputs."""
+        if pass_ == "train":
+            self.model.train()
+            self.clear_grads()
+            loss = self.train()
+            return Outputs(loss=loss.detach().float().clone(), grads=_norm_grads(self.norm_weights))
+        self.model.eval()
+        return Outputs(logits=self.infer().detach().float().clone())
+
+
+def eager_reference(model: nn.Module, ids: Tensor, passes: Sequence[str]) -> dict[str, Outputs]:
+    """The uncompiled stock model's outputs for each pass."""
+    steps = Steps(model, model, ids, False, [m.weight for m in norm_modules(model)])
+    out = {p: steps.first(p) for p in passes}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def measure_pass(steps: Steps, pass_: str, sel: Selection, device: torch.device,
+                 step_context: StepContext) -> tuple[dict, Outputs]:
+    """Compile (first step), warm up, time and profile one pass; the row's measured fields and
+    the first step's outputs."""
+    with step_context():
+        t0 = time.perf_counter()
+        first = steps.first(pass_)
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        step = steps.train if pass_ == "train" else steps.infer
+        before = steps.clear_grads if pass_ == "train" else (lambda: None)
+        for _ in range(sel.warmup - 1):
+            before()
+            step()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(step, before, sel.steps, device)
+        prof = profile_window(step, before, sel.profile_steps, device)
+    row = {"step_ms": round(statistics.median(times), 4), "step_ms_min": round(min(times), 4),
+           "step_ms_max": round(max(times), 4), "steps": sel.steps, "profile_steps": sel.profile_steps,
+           "compile_s": round(compile_s, 2), **prof}
+    if device.type == "cuda":
+        row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    steps.clear_grads()
+    return row, first
+
+
+def _free(device: torch.device) -> None:
+    torch.compiler.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _compile(model: nn.Module, mode: str, backend: str):
+    if backend == "inductor":
+        return torch.compile(model, mode=None if mode == "default" else mode)
+    return torch.compile(model, backend=backend)
+
+
+def _commit() -> str | None:
+    """The checkout's short commit, ``+dirty`` where tracked files differ from it; None outside git."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
+
+
+ROW_KEY = ("model", "hidden", "layers", "tokens", "mode", "pass", "impl")
+
+
+def _key(row: dict) -> tuple:
+    return tuple(row[k] for k in ROW_KEY)
+
+
+def result_stem(out_dir: str, gpu: str, date: str, smoke: bool = False) -> str:
+    """``<out_dir>/<date>-<gpu>-models`` (``-models-smoke`` for a smoke run), the GPU name made file-safe."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in gpu)
+    return os.path.join(out_dir, f"{date}-{safe}-models" + ("-smoke" if smoke else ""))
+
+
+VERSION_KEYS = ("gpu", "torch", "triton", "transformers", "liger_kernel")
+
+
+def previous_rows(stem: str, header: dict, fresh: bool) -> list[dict]:
+    """Rows of an earlier run into the same file, unless ``fresh``; refuses other versions."""
+    if fresh or not os.path.exists(stem + ".json"):
+        return []
+    with open(stem + ".json") as f:
+        old = json.load(f)
+    differ = [k for k in VERSION_KEYS if old.get(k) != header[k]]
+    if differ:
+        raise ValueError(f"{stem}.json holds a run with other {', '.join(differ)}: pass --fresh to replace it, "
+                         "or --out for another folder")
+    return old.get("rows", [])
+
+
+def _without_missing_liger(sel: Selection, liger: str | None, device: torch.device) -> Selection:
+    """``sel`` without liger where it cannot run: ``liger_kernel`` absent, or no GPU (Dynamo cannot
+    trace its kernels through the Triton interpreter)."""
+    if "liger" not in sel.impls or (liger and device.type == "cuda"):
+        return sel
+    why = "liger_kernel does not import here" if not liger else "liger_kernel runs on a GPU only"
+    impls = tuple(i for i in sel.impls if i != "liger")
+    if not impls:
+        raise ValueError(f"impls: {why}, and liger is the only impl asked for")
+    _log(f"{why}: no liger rows")
+    return replace(sel, impls=impls)
+
+
+def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0) -> str:
+    """Measure ``sel``, writing the results after every row; returns the path stem of the files."""
+    import transformers
+    import triton
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not sel.smoke:
+        raise RuntimeError("the model benchmark needs a CUDA GPU; --smoke runs a tiny model on CPU")
+    liger = liger_available()
+    sel = _without_missing_liger(sel, liger, device)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
+    header = {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+              "transformers": transformers.__version__, "liger_kernel": liger}
+    date = datetime.date.today().isoformat()
+    stem = result_stem(out_dir, gpu, date, sel.smoke)
+    previous = previous_rows(stem, header, fresh)
+    os.makedirs(out_dir, exist_ok=True)
+
+    _log(f"{gpu}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
+         f"liger_kernel {liger}; {sel.compiles()} compiles")
+    if compile_jobs > 0:
+        warm_caches(sel, compile_jobs)
+    from torch_rmsnorm_op.tools.benchmark import copy_ceiling
+
+    copy_gbs = copy_ceiling(20, 5, str(device), numel=COPY_NUMEL if device.type == "cuda" else 1 << 22)
+    _log(f"copy ceiling {copy_gbs:.0f} GB/s")
+    timing = ("step_ms: median of CUDA-event step times; gpu_ms: device time per step from torch.profiler."
+              if device.type == "cuda" else
+              "**Smoke run on CPU (kernels through the Triton interpreter): wall-clock times, not GPU timings.**")
+    if sel.smoke and device.type == "cuda":
+        timing = f"**Smoke run of a tiny model ({sel.backend}): not a model benchmark.** " + timing
+    result = {**header, "date": date, "copy_GBs": round(copy_gbs, 1), "timing": timing, "tolerances": TOLERANCES,
+              "selection": {**{k: v for k, v in sel.__dict__.items() if k != "tokens"},
+                            "tokens": [f"{b}x{s}" for b, s in sel.tokens]},
+              "rows": []}
+    base = {"commit": _commit(), "run_started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "copy_GBs": round(copy_gbs, 1), "backend": sel.backend}
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        mine = {_key(r) for r in rows}
+        result["rows"] = [r for r in previous if _key(r) not in mine] + rows
+        write_results(result, stem)
+
+    for spec in sel.specs():
+        _log(f"build {spec.family} hidden {spec.hidden} x {spec.layers} layers")
+        model = build_model(spec, device)
+        weights = [m.weight for m in norm_modules(model)]
+        for batch, seq in sel.tokens:
+            ids = torch.randint(0, spec.vocab, (batch, seq), device=device,
+                                generator=torch.Generator(device=device).manual_seed(seq))
+            eager = eager_reference(model, ids, sel.passes)
+            for mode in sel.modes:
+                stock_out: dict[str, Outputs] = {}
+                for impl in sel.impls:
+                    label = f"{spec.family} {spec.hidden}x{spec.layers} {batch}x{seq} {mode} {impl}"
+                    with implementation(model, impl) as (swapped, step_context):
+                        _free(device)
+                        steps = Steps(_compile(model, mode, sel.backend), model, ids, mode == "reduce-overhead",
+                                      weights)
+                        for pass_ in sel.passes:
+                            row = {"model": spec.family, "hidden": spec.hidden, "layers": spec.layers,
+                                   "intermediate": spec.intermediate, "heads": spec.heads,
+                                   "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab,
+                                   "tokens": f"{batch}x{seq}", "mode": mode, "pass": pass_, "impl": impl,
+                                   "norm_modules": len(weights), "norm_modules_swapped": swapped, **base}
+                            _log(f"{label} {pass_}: compile + measure")
+                            try:
+                                fields, first = measure_pass(steps, pass_, sel, device, step_context)
+                                row.update(fields)
+                                if impl == "stock":
+                                    stock_out[pass_] = first
+                                ref_name = "stock" if pass_ in stock_out and impl != "stock" else "eager"
+                                ref = stock_out[pass_] if ref_name == "stock" else eager[pass_]
+                                row.update(reference=ref_name, **compare(first, ref))
+                                _add_floor(row, spec, batch * seq, pass_, copy_gbs)
+                            except Exception as e:  # a failing configuration is a result; the run goes on
+                                row["error"] = f"{type(e).__name__}: {e}"[:500]
+                            emit(row)
+                            _log(f"{label} {pass_}: " + _summary(row))
+                        del steps
+                    _free(device)
+            del eager, ids
+        del model
+        _free(device)
+    return write_results(result, stem)
+
+
+def _add_floor(row: dict, spec: ModelSpec, tokens: int, pass_: str, copy_gbs: float) -> None:
+    sites = sum(s.count for s in norm_sites(spec, tokens))
+    if sites != row["norm_modules"]:  # the decoder is not laid out as norm_sites assumes
+        row["norm_floor_note"] = f"{row['norm_modules']} RMSNorm modules, {sites} sites assumed: no floor"
+        return
+    norm_us = sum(k["us"] for k in row["norm_kernels"].values())
+    row["norm_us"] = round(norm_us, 2)
+    for suffix, with_adds in (("", True), ("_without_adds", False)):
+        floor = norm_byte_floor(spec, tokens, pass_, 2, with_adds)
+        row["norm_floor_bytes" + suffix] = floor
+        if norm_us and row.get("gpu_ms") is not None:
+            row["norm_pct_of_copy" + suffix] = round(100 * floor / (norm_us * 1e-6) / 1e9 / copy_gbs, 1)
+
+
+def _summary(row: dict) -> str:
+    if "error" in row:
+        return "ERROR " + row["error"][:200]
+    gpu = f", gpu {row['gpu_ms']:.3f} ms" if row.get("gpu_ms") is not None else ""
+    return (f"step {row['step_ms']:.3f} ms{gpu}, norm {row.get('norm_us', 0):.1f} us, "
+            f"compile {row['compile_s']:.1f} s, "
+            f"{'matches' if row['matches_reference'] else 'DIFFERS FROM'} {row['reference']}")
+
+
+def worker_commands(sel: Selection) -> list[tuple[list[str], str]]:
+    """One ``bench-models --compile-only`` command line per compiled model of ``sel`` (model, tokens,
+    mode, impl; all passes), with a label."""
+    cmds = []
+    for spec in sel.specs():
+        for batch, seq in sel.tokens:
+            for mode in sel.modes:
+                for impl in sel.impls:
+                    cmd = [sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--compile-only",
+                           "--models", spec.family, "--layers", str(spec.layers), "--tokens", f"{batch}x{seq}",
+                           "--modes", mode, "--impls", impl, "--passes", ",".join(sel.passes),
+                           "--backend", sel.backend]
+                    cmd += ["--smoke"] if sel.smoke else ["--hidden", str(spec.hidden)]
+                    cmds.append((cmd, f"{spec.family} {spec.hidden} {batch}x{seq} {mode} {impl}"))
+    return cmds
+
+
+def warm_caches(sel: Selection, jobs: int) -> None:
+    """Compile every compiled model of ``sel`` in ``jobs`` parallel worker processes
+    (``worker_commands``), filling Inductor's and Triton's on-disk caches; the timing that follows
+    loads the graphs from there. A worker that fails costs only its speed-up: the timing process
+    then compiles that model itself."""
+    cmds = worker_commands(sel)
+    _log(f"compiling {len(cmds)} models in {jobs} worker processes")
+
+    def work(item: tuple[list[str], str]) -> None:
+        cmd, label = item
+        t0 = time.monotonic()
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        tail = "" if out.returncode == 0 else ": FAILED " + (out.stderr or out.stdout)[-300:]
+        _log(f"compiled {label} in {time.monotonic() - t0:.0f} s{tail}")
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(work, cmds))
+
+
+def compile_only(sel: Selection) -> None:
+    """Build and compile every configuration of ``sel`` (one step per pass) and time nothing."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sel = _without_missing_liger(sel, liger_available(), device)
+    for spec in sel.specs():
+        model = build_model(spec, device)
+        weights = [m.weight for m in norm_modules(model)]
+        for batch, seq in sel.tokens:
+            ids = torch.randint(0, spec.vocab, (batch, seq), device=device)
+            for mode in sel.modes:
+                for impl in sel.impls:
+                    with implementation(model, impl) as (_, step_context), step_context():
+                        _free(device)
+                        steps = Steps(_compile(model, mode, sel.backend), model, ids, mode == "reduce-overhead",
+                                      weights)
+                        for pass_ in sel.passes:
+                            t0 = time.perf_counter()
+                            steps.first(pass_)
+                            _sync(device)
+                            _log(f"{spec.family} {spec.hidden} {batch}x{seq} {mode} {impl} {pass_}: "
+                                 f"compiled in {time.perf_counter() - t0:.1f} s")
+                        del steps
+                    _free(device)
+        del model
+        _free(device)
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _ratio(a, b) -> str:
+    return "–" if a is None or b is None or not b else f"{a / b:.3f}"
+
+
+def markdown(result: dict) -> str:
+    """The results as Markdown: per configuration, stock vs patched vs liger side by side."""
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
+    others = [i for i in impls if i != "stock"]
+    lines = [
+        f"# Models: stock vs patched vs Liger on {result['gpu']}", "",
+        f"torch {result['torch']}, Triton {result['triton']}, transformers {result['transformers']}, "
+        f"liger_kernel {result['liger_kernel']}, {result['date']}. {result['timing']} Copy ceiling "
+        f"**{result['copy_GBs']:.0f} GB/s**. Norm % = the step's RMSNorm byte floor (residual adds included) "
+        "/ norm kernel time / copy ceiling. ✓ = loss and norm-weight gradients (train) or logits (infer) "
+        "within the declared tolerances of the reference ("
+        + ", ".join(f"{k} {v:g}" for k, v in result["tolerances"].items()) + ").",
+        "",
+    ]
+    head = ["model", "hidden×layers", "tokens", "mode", "pass"]
+    head += [f"{i} ms" for i in impls] + [f"{i}/stock" for i in others]
+    head += [f"{i} GPU ms" for i in impls] + [f"{i}/stock GPU" for i in others]
+    head += [f"{i} norm µs (%)" for i in impls] + ["ok"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keyed = {_key(r): r for r in result["rows"]}
+    seen = []
+    for r in result["rows"]:
+        k = _key(r)[:-1]
+        if k in seen:
+            continue
+        seen.append(k)
+        cell = {i: keyed.get(k + (i,), {}) for i in impls}
+
+        def get(impl, field, cell=cell):
+            return cell[impl].get(field)
+
+        row = [r["model"], f"{r['hidden']}×{r['layers']}", r["tokens"], r["mode"], r["pass"]]
+        row += [_fmt(get(i, "step_ms"), ".3f") if "error" not in cell[i] else "error" for i in impls]
+        row += [_ratio(get(i, "step_ms"), get("stock", "step_ms")) for i in others]
+        row += [_fmt(get(i, "gpu_ms"), ".3f") for i in impls]
+        row += [_ratio(get(i, "gpu_ms"), get("stock", "gpu_ms")) for i in others]
+        row += [f"{_fmt(get(i, 'norm_us'), '.1f')} ({_fmt(get(i, 'norm_pct_of_copy'), '.0f')})" for i in impls]
+        row += [" ".join(("✓" if cell[i].get("matches_reference") else "✗") for i in impls if cell[i])]
+        lines.append("| " + " | ".join(row) + " |")
+    errors = [r for r in result["rows"] if "error" in r]
+    if errors:
+        lines += ["", "Errors:", ""] + [f"- {' '.join(str(v) for v in _key(r))}: `{r['error'][:300]}`" for r in errors]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> bool:
+    """Bar chart of patched/stock and liger/stock, step time and GPU time, per configuration;
+    False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    keyed = {_key(r): r for r in result["rows"]}
+    configs = []
+    for r in result["rows"]:
+        if _key(r)[:-1] not in configs:
+            configs.append(_key(r)[:-1])
+    others = [i for i in IMPLS[1:] if any(r["impl"] == i for r in result["rows"])]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 1.2 + 0.32 * max(1, len(configs))), sharey=True)
+    labels = [f"{m} {h}×{lay} {t} {mode} {p}" for m, h, lay, t, mode, p in configs]
+    height = 0.8 / max(1, len(others))
+    for ax, field, title in zip(axes, ("step_ms", "gpu_ms"), ("step time", "GPU time")):
+        for j, impl in enumerate(others):
+            vals = []
+            for c in configs:
+                a, b = keyed.get(c + (impl,), {}).get(field), keyed.get(c + ("stock",), {}).get(field)
+                vals.append(a / b if a and b else float("nan"))
+            bars = ax.barh([i + j * height for i in range(len(configs))], vals, height=height, label=f"{impl} / stock")
+            ax.bar_label(bars, fmt="%.3f", fontsize=6, padding=2)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_title(f"{title}: ratio to stock compile (< 1 is faster)")
+        ax.grid(True, axis="x", alpha=0.3)
+    axes[0].set_yticks([i + height * (len(others) - 1) / 2 for i in range(len(configs))], labels, fontsize=7)
+    axes[0].invert_yaxis()
+    if others:
+        axes[0].legend(fontsize=8)
+    smoke = "" if result["gpu"] != "cpu-interpreter" else " — CPU smoke run: wall times, not GPU timings"
+    fig.suptitle(f"Models on {result['gpu']} (torch {result['torch']}, Triton {result['triton']}, "
+                 f"transformers {result['transformers']}, {result['date']}){smoke}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Description": result["timing"]})
+    plt.close(fig)
+    return True
+
+
+def write_results(result: dict, stem: str) -> str:
+    """``stem``.json, .md and .png from ``result``; returns ``stem``."""
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(result))
+    if not plot(result, stem + ".png"):
+        print("matplotlib missing: no PNG", file=sys.stderr)
+    return stem
