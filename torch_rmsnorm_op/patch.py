@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from torch_rmsnorm_op import fusion
 from torch_rmsnorm_op.fallback import fallback_policy
 from torch_rmsnorm_op.functional import rms_norm
 from torch_rmsnorm_op.module import RMSNorm
@@ -175,6 +176,9 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
         setattr(parent, attr, patched)
         replaced[id(child)] = patched
         report.swapped.append((name, type(child).__name__))
+    if report.swapped:
+        # Compiled with Inductor, a residual add before a swapped norm fuses into it (fusion.py).
+        fusion.install()
     return report
 
 
