@@ -1,7 +1,9 @@
-"""Patch a model that defines its own Hugging Face-style RMSNorm (no transformers needed).
+"""Patch models whose RMSNorms are Hugging Face-style classes: recognized by what they compute.
 
-A Llama-style norm (weight + variance_epsilon, fp32 normalize, cast back, * weight) is
-swapped; a Gemma-style lookalike ((1 + weight)) is proven different on a probe and left alone.
+A Llama-style norm (its own class name, found on no list) is swapped as ``llama``, a
+Gemma-style ``(1 + weight)`` one as ``gemma``, and a lookalike that computes something
+else is left alone with the measured difference. With transformers installed, a tiny
+Gemma 3 and a tiny T5 encoder (built from configs, nothing downloaded) are patched too.
 
 Run: python examples/patch_hf_style.py
 """
@@ -21,8 +23,6 @@ import torch_rmsnorm_op as T  # noqa: E402
 
 class MyRMSNorm(nn.Module):
     """Copied from a model repo: Llama semantics, its own class name."""
-
-    kernel_layer_name = "RMSNorm"  # transformers >= 4.52 marks its RMSNorms like this
 
     def __init__(self, hidden_size, eps=1e-6):
         super().__init__()
@@ -44,9 +44,30 @@ class MyGemmaRMSNorm(MyRMSNorm):
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 
+class MyScaledRMSNorm(MyRMSNorm):
+    """Looks like the others, computes twice Llama's result: no semantics of ours."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def tiny_transformers_models():
+    try:
+        import transformers
+    except ImportError:
+        return []
+    gemma3 = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8))
+    t5 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
+    return [("Gemma 3", gemma3), ("T5 encoder", t5)]
+
+
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = nn.Sequential(nn.Linear(32, 32), MyRMSNorm(32), nn.SiLU(), MyGemmaRMSNorm(32)).to(device)
+    model = nn.Sequential(nn.Linear(32, 32), MyRMSNorm(32), nn.SiLU(), MyGemmaRMSNorm(32), MyScaledRMSNorm(32))
+    model = model.to(device)
     x = torch.randn(4, 32, device=device)
     with torch.no_grad():
         before = model(x)
@@ -57,8 +78,17 @@ def main() -> None:
         with torch.no_grad():
             after = model(x)
         print("max |patched - original|:", (after - before).abs().max().item())
-        print("dispatch:", T.dispatch_stats())
     print("unpatched again:", type(model[1]).__name__)
+
+    tokens = torch.randint(0, 128, (2, 8), device=device)
+    for name, hf_model in tiny_transformers_models():
+        hf_model = hf_model.to(device).eval()
+        with torch.no_grad():
+            before = hf_model(tokens)[0]
+            report = T.patch_rmsnorm(hf_model)
+            after = hf_model(tokens)[0]
+        print(f"\n{name}: {report.semantics_counts()}, {len(report.skipped)} skipped, "
+              f"max |patched - original| {(after - before).abs().max().item():.2g}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 ``LlamaStyleRMSNorm`` and ``GemmaStyleRMSNorm`` reproduce the forward code of
 Hugging Face transformers' ``LlamaRMSNorm`` and ``GemmaRMSNorm`` (the second
-computes ``(1 + weight)`` in fp32: a lookalike the patcher must not change).
+computes ``(1 + weight)`` in fp32: the same attributes, other semantics).
 ``TinyLlama`` is a Llama-shaped decoder: embedding, blocks of attention and
 MLP each behind an RMSNorm, a final RMSNorm and a tied output projection.
 """

@@ -1,0 +1,239 @@
+"""The patcher on real transformers model families built from tiny configs (nothing
+downloaded), and a survey of every transformers ``*RMSNorm`` / ``*T5LayerNorm`` class:
+each is swapped with semantics that compute what its own forward computes, or reported
+with the reason; never silently changed."""
+
+import copy
+import importlib
+import inspect
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import torch_rmsnorm_op as T
+from torch_rmsnorm_op.patch import PatchedRMSNorm
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
+
+# fp32 on CPU: the kernels reduce in another order than the modules, so outputs agree to a few
+# units of fp32 and gradients (summed over rows and through the layers) a little less.
+OUTPUT_TOL = dict(atol=1e-5, rtol=1e-5)
+GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
+T5_SMALL = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
+COHERE_NORM = "computes none of torch, llama, gemma, t5"  # Cohere's LayerNorm subtracts the mean
+
+# id: (config class, model class, config overrides, semantics counts, skipped reason or None, compiled)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, {"llama": 3}, None, True),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}, {"llama": 3}, None, True),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, {"llama": 5}, None, True),  # q_norm, k_norm
+    "mistral": ("MistralConfig", "MistralForCausalLM", {}, {"llama": 3}, None, True),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, {"gemma": 3}, None, True),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {}, {"gemma": 5}, None, True),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {}, {"gemma": 7}, None, True),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, {"torch": 5}, None, True),
+    "t5": ("T5Config", "T5EncoderModel", T5_SMALL, {"t5": 3}, None, True),
+    # Families beyond the ones above: Llama 4 text has a weightless L2Norm for q and k;
+    # EXAONE 4 normalizes q and k on transposed (B, H, S, D) views; Helium and OLMo3 round
+    # once, as OLMo2 (eager only: their graphs hold the same calls); Cohere's norms are
+    # LayerNorms by name and by what they compute.
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1,
+               intermediate_size_mlp=64, interleave_moe_layer_step=1), {"llama": 3, "torch": 1}, None, True),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}, {"llama": 5}, None, True),
+    "helium": ("HeliumConfig", "HeliumForCausalLM", {}, {"torch": 3}, None, False),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}, {"torch": 5}, None, False),
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}, {}, COHERE_NORM, False),
+}
+
+
+def _build(family):
+    config_cls, model_cls, overrides, *_ = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**(overrides if family == "t5" else {**SMALL, **overrides}))
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # random norm weights: Llama's ones and Gemma's zeros hide nothing then
+        for m in model.modules():
+            if type(m).__name__.lower().endswith("norm") and isinstance(getattr(m, "weight", None), nn.Parameter):
+                m.weight.uniform_(-1.0, 1.0)
+    return model
+
+
+def _output(model, **inputs):
+    out = model(**inputs)
+    return out.last_hidden_state if isinstance(model, transformers.T5EncoderModel) else out.logits
+
+
+def _inputs(family):
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 128, (2, 6), generator=gen)
+    return dict(input_ids=ids)
+
+
+def _outputs_and_grads(forward, model, inputs):
+    model.zero_grad(set_to_none=True)
+    out = forward(**inputs)
+    weights = torch.linspace(-1.0, 1.0, out.numel(), device=out.device).view(out.shape)  # every output matters
+    (out * weights).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_close(got, want):
+    out, grads = got
+    torch.testing.assert_close(out, want[0], **OUTPUT_TOL)
+    assert grads.keys() == want[1].keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, want[1][name], **GRAD_TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_patched_eager_and_compiled(device, family):
+    """Patched vs unpatched: outputs and gradients of every parameter, eager and under
+    ``torch.compile(fullgraph=True, backend="aot_eager")`` (fullgraph raises on any graph
+    break); the compiled graph holds one ``rmsnorm.fwd`` per norm call; the report lists
+    every RMSNorm-like module, swapped with its semantics or skipped with the reason."""
+    *_, counts, skipped_reason, compiled = FAMILIES[family]
+    model = _build(family).to(device)
+    inputs = {k: v.to(device) for k, v in _inputs(family).items()}
+    reference = copy.deepcopy(model)
+    want = _outputs_and_grads(lambda **kw: _output(reference, **kw), reference, inputs)
+
+    report = T.patch_rmsnorm(model)
+    assert report.semantics_counts() == counts, report
+    if skipped_reason is None:
+        assert report.skipped == [], report
+    else:
+        assert report.skipped and all(skipped_reason in why for *_, why in report.skipped), report
+    patched = [m for m in model.modules() if isinstance(m, PatchedRMSNorm)]
+    calls = []
+    hooks = [m.register_forward_hook(lambda *args: calls.append(1)) for m in patched]
+    _assert_close(_outputs_and_grads(lambda **kw: _output(model, **kw), model, inputs), want)
+    for h in hooks:
+        h.remove()
+
+    if compiled:
+        _assert_compiles(model, inputs, want, len(calls), len(patched))
+    assert T.unpatch_rmsnorm(model) == len(report.swapped)
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+
+
+def _assert_compiles(model, inputs, want, calls, patched):
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(lambda **kw: _output(model, **kw), fullgraph=True, backend=backend)
+    _assert_close(_outputs_and_grads(compiled, model, inputs), want)
+    assert len(graphs) == 1
+    assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
+
+
+# The survey: every RMSNorm class in the installed transformers, found in the source (nothing
+# imported at collection). Classes whose source is the same but for their name (most are
+# copies: 138 of Llama's) compute the same, so each distinct source is one case, run on the
+# first class that has it; the case's id counts the classes it stands for.
+_CLASS = re.compile(r"^( *)class (\w*(?:RMSNorm|RmsNorm)\w*|\w*T5LayerNorm)\(")
+
+
+def _class_sources(text):
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        match = _CLASS.match(line)
+        if match is None:
+            continue
+        indent, name, end = len(match.group(1)), match.group(2), i + 1
+        while end < len(lines) and (not lines[end].strip() or len(lines[end]) - len(lines[end].lstrip()) > indent):
+            end += 1
+        source = "\n".join(lines[i:end])
+        source = re.sub(r'("""|\'\'\')[\s\S]*?\1', "", source)
+        source = re.sub(r"#[^\n]*", "", source).replace(name, "CLS")
+        yield name, re.sub(r"\s+", " ", source)
+
+
+def _survey_cases():
+    root = os.path.join(os.path.dirname(transformers.__file__), "models")
+    cases = {}
+    for model_dir in sorted(os.listdir(root)):
+        folder = os.path.join(root, model_dir)
+        if not os.path.isdir(folder):
+            continue
+        for file in sorted(f for f in os.listdir(folder) if f.startswith("modeling_") and f.endswith(".py")):
+            with open(os.path.join(folder, file), encoding="utf-8") as f:
+                text = f.read()
+            for name, source in _class_sources(text):
+                cases.setdefault(source, []).append((f"transformers.models.{model_dir}.{file[:-3]}", name))
+    return [pytest.param(classes[0][0], classes[0][1], len(classes), id=f"{classes[0][1]}-x{len(classes)}")
+            for classes in cases.values()]
+
+
+_SIZE_ARGS = {"hidden_size", "dim", "d_model", "normalized_shape", "num_features", "hidden_dim", "embed_dim",
+              "size", "n_embd", "features", "d", "channels", "num_channels", "width"}
+_EPS_ARGS = {"eps", "epsilon", "variance_epsilon", "layer_norm_eps", "norm_eps", "rms_norm_eps"}
+
+
+def _instantiate(cls):
+    kwargs = {}
+    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name in _SIZE_ARGS:
+            kwargs[p.name] = 16
+        elif p.name in _EPS_ARGS:
+            kwargs[p.name] = 1e-6
+        elif p.default is inspect.Parameter.empty:
+            pytest.skip(f"{cls.__name__}.__init__ needs {p.name!r}: built only from a config")
+    return cls(**kwargs)
+
+
+def assert_computes_like(original, patched, x):
+    """As in test_patch: same dtype, within one unit in the last place of it; the chosen
+    semantics, computed by the reference, agrees on all but a few elements."""
+    want, got = original(x), patched(x)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    unit = torch.finfo(want.dtype).eps if want.dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=unit)
+    shape = patched.normalized_shape or (x.shape[-1],)
+    ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+    else:
+        torch.testing.assert_close(ref, want, atol=1e-5, rtol=unit)
+        assert (ref != want).float().mean().item() <= 0.05
+
+
+@pytest.mark.parametrize("module_name, class_name, copies", _survey_cases())
+def test_survey_every_transformers_rmsnorm(device, module_name, class_name, copies):
+    """Built from its own __init__, patched alone: swapped with semantics that compute what
+    it computes for weights and inputs of fp32 and bf16, or reported with the reason and
+    left in place; nothing else."""
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:  # an optional dependency of that model (torchaudio, ...)
+        pytest.skip(f"{module_name} does not import here: {e}")
+    original = _instantiate(cls).to(device)
+    container = nn.ModuleList([original])
+    report = T.patch_rmsnorm(container)
+    assert len(report.swapped) + len(report.skipped) == 1, f"{class_name} neither swapped nor reported"
+    if report.skipped:
+        assert report.skipped[0].reason and container[0] is original
+        return
+    patched = container[0]
+    assert isinstance(patched, PatchedRMSNorm) and patched.original is original
+    if patched.weight is not None:
+        with torch.no_grad():
+            patched.weight.normal_(generator=torch.Generator(device).manual_seed(2))
+    gen = torch.Generator().manual_seed(3)
+    for w_dtype in (torch.float32, torch.bfloat16):
+        container.to(w_dtype)
+        for x_dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(4, 5, 16, generator=gen).to(device=device, dtype=x_dtype)
+            assert_computes_like(original, patched, x)

@@ -1,0 +1,393 @@
+"""What an RMSNorm-like module computes, found by running it.
+
+Every RMSNorm here shares ``rstd = 1/sqrt(mean(x**2) + eps)`` and ``n = x * rstd``
+computed in fp32 (fp64 for fp64 inputs); they differ in where they round and what
+dtype they return. ``Semantics`` names one such order of roundings and casts and
+turns it, per call, into the keyword arguments of ``torch_rmsnorm_op.rms_norm``:
+
+========  ===============================================  ==========================================
+name      what the module computes                         in transformers, for example
+========  ===============================================  ==========================================
+torch     ``(n * w).to(x.dtype)``: one rounding             ``nn.RMSNorm``/``F.rms_norm``; OLMo2,
+                                                           OLMo3, Helium, Moshi, Gemma3n, NemotronH
+llama     ``w * n.to(x.dtype)``: output ``promote(w, x)``   Llama and the classes copying its forward
+                                                           (Qwen2/3, Mistral, ...), Llama4, CpmAnt
+gemma     ``(n * (1 + w.float())).type_as(x)``              Gemma, Gemma2, Gemma3, Qwen3.5, Qwen3-Next
+t5        ``w * n.to(w.dtype)`` if w is fp16/bf16, else     T5, mT5, LongT5, UMT5, Pix2Struct, Idefics
+          ``w * n`` (in fp32)
+========  ===============================================  ==========================================
+
+The rule (``recognize``): a module is *examined* when it is an ``nn.RMSNorm`` or when
+its class, or a base class defined outside torch, is named like a norm: "rmsnorm" in
+the name in any case, or a name ending in "Norm" (``T5LayerNorm``, ``Llama4TextL2Norm``).
+An examined module is *RMSNorm-like* when it has no submodules, no buffers, no
+parameter but ``weight`` (a 1-D Parameter; ``normalized_shape`` for ``nn.RMSNorm``) or
+none, a number in ``variance_epsilon``, ``eps`` or ``epsilon``, a ``forward`` that takes
+the input alone, and no hooks or forward of its own on the instance (a swap would drop
+them). The *probe* then decides what it computes: its own forward runs on a deepcopy
+holding a random weight (so neither Llama's init of ones nor Gemma's of zeros hides a
+difference), in train and eval mode, on inputs of fp32 and bf16 (and the weight's own
+dtype) with weights of each of those dtypes, including a row whose mean square equals
+the epsilon; each semantics (with each epsilon attribute's value) is computed on the
+same inputs by the PyTorch reference, and the first one that agrees on every probe is
+chosen. Agreement means the same shape and dtype, no element further apart than one
+unit in the last place of the output dtype, and at most 2% of the elements apart at
+all beyond fp32 rounding noise (a semantics that rounds once more than the module
+moves about a quarter of the bf16 elements by one unit). Finally the chosen semantics
+runs through ``torch_rmsnorm_op.rms_norm`` itself on the probe of the weight's dtype,
+as it will once swapped, and must agree within one unit everywhere. A module that
+fails any of this is left alone with the reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from torch_rmsnorm_op import reference
+from torch_rmsnorm_op.fallback import fallback_policy
+from torch_rmsnorm_op.ops import rms_norm
+
+_HALF = (torch.float16, torch.bfloat16)
+EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
+
+
+@dataclass(frozen=True)
+class Semantics:
+    """One RMSNorm's roundings and casts. ``norm_rounding``: where ``n`` is rounded before
+    the weight multiplies it (``"none"``; ``"input"``: to x's dtype; ``"half_weight"``: to the
+    weight's dtype when that is fp16/bf16). ``output``: the result's dtype (``"input"``: x's;
+    ``"promote"``: ``promote_types(weight, x)``; ``"half_weight"``: the weight's when fp16/bf16,
+    else ``promote_types(weight, x, float32)``). The weight enters as ``weight + weight_offset``,
+    added in fp32."""
+
+    name: str
+    formula: str
+    weight_offset: float = 0.0
+    norm_rounding: Literal["none", "input", "half_weight"] = "none"
+    output: Literal["input", "promote", "half_weight"] = "input"
+
+    def kwargs(self, x_dtype: torch.dtype, weight_dtype: torch.dtype | None
+               ) -> tuple[float, torch.dtype | None, torch.dtype | None]:
+        """``(weight_offset, norm_dtype, out_dtype)`` for ``rms_norm`` on x of ``x_dtype``; None
+        where the argument's default already means it (a rounding to the computation dtype is
+        no rounding), so the common cases keep the default kernel path."""
+        compute = torch.float64 if x_dtype == torch.float64 else torch.float32
+        half_weight = weight_dtype in _HALF
+        norm_dtype = None
+        if self.norm_rounding == "input":
+            norm_dtype = x_dtype
+        elif self.norm_rounding == "half_weight" and half_weight:
+            norm_dtype = weight_dtype
+        if norm_dtype == compute:
+            norm_dtype = None
+        out_dtype = x_dtype
+        if weight_dtype is not None:
+            if self.output == "promote":
+                out_dtype = torch.promote_types(weight_dtype, x_dtype)
+            elif self.output == "half_weight":
+                out_dtype = weight_dtype if half_weight else torch.promote_types(
+                    weight_dtype, torch.promote_types(x_dtype, torch.float32))
+        return self.weight_offset, norm_dtype, (None if out_dtype == x_dtype else out_dtype)
+
+    def rms_norm(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                 eps: float | None) -> Tensor:
+        """This semantics computed by ``torch_rmsnorm_op.rms_norm`` (the kernels)."""
+        offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
+        return rms_norm(x, normalized_shape, weight, eps, weight_offset=offset, norm_dtype=norm_dtype,
+                        out_dtype=out_dtype)
+
+    def reference(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                  eps: float | None) -> Tensor:
+        """This semantics computed by the PyTorch reference (``reference.rms_norm_forward``)."""
+        offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
+        n = math.prod(normalized_shape)
+        rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], n)
+        w = None if weight is None else weight.reshape(n)
+        eps = reference.default_eps(x.dtype) if eps is None else eps
+        y, _ = reference.rms_norm_forward(rows, w, eps, offset, norm_dtype, out_dtype)
+        return y.view(x.shape)
+
+
+TORCH = Semantics("torch", "(n * w).to(x.dtype): normalize and scale in fp32, round once")
+LLAMA = Semantics("llama", "w * n.to(x.dtype): round, then scale; output in promote(w, x)",
+                  norm_rounding="input", output="promote")
+GEMMA = Semantics("gemma", "(n * (1 + w.float())).type_as(x): offset weight in fp32, round once",
+                  weight_offset=1.0)
+T5 = Semantics("t5", "w * n.to(w.dtype) for a fp16/bf16 weight, else w * n in fp32",
+               norm_rounding="half_weight", output="half_weight")
+# In order of preference: where several agree on every probe (a module without weight, or
+# fp32 throughout) the plainest is chosen.
+SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5)
+SEMANTICS_BY_NAME: dict[str, Semantics] = {s.name: s for s in SEMANTICS}
+
+
+@dataclass(frozen=True)
+class Recognition:
+    """What ``recognize`` found: the semantics with the epsilon and shape the module uses, or
+    ``semantics`` None and the ``reason`` it is left alone. ``normalized_shape`` None: the
+    module (one without weight) normalizes the last dim of whatever input it gets."""
+
+    semantics: Semantics | None
+    normalized_shape: tuple[int, ...] | None = None
+    eps: float | None = None
+    weight: nn.Parameter | None = None
+    reason: str | None = None
+
+
+def _named_like_a_norm(module: nn.Module) -> tuple[bool, bool]:
+    """(examined, named RMSNorm) from the names of the module's class and its non-torch bases."""
+    examined = named_rms = False
+    for cls in type(module).__mro__:
+        if cls is nn.Module or cls.__module__.split(".")[0] == "torch":
+            continue
+        name = cls.__name__.lower()
+        named_rms = named_rms or "rmsnorm" in name
+        examined = examined or named_rms or name.endswith("norm")
+    return examined, named_rms
+
+
+def _structure(module: nn.Module, torch_norm: bool) -> tuple[tuple[int, ...] | None, list[float | None], str | None]:
+    """``(normalized_shape, epsilon candidates, None)`` for an RMSNorm-like module, else
+    ``(None, [], why not)``. ``normalized_shape`` is ``(32,)`` for a module without weight:
+    such a module normalizes whatever last dim it gets."""
+    children = [name for name, _ in module.named_children()]
+    if children:
+        return None, [], f"has submodules ({', '.join(children)})"
+    others = [name for name, _ in module.named_parameters(recurse=False) if name != "weight"]
+    if others:
+        return None, [], f"has parameters other than weight ({', '.join(others)})"
+    buffers = [name for name, _ in module.named_buffers(recurse=False)]
+    if buffers:
+        return None, [], f"has buffers ({', '.join(buffers)})"
+    weight = getattr(module, "weight", None)
+    if weight is not None and not isinstance(weight, nn.Parameter):
+        return None, [], f"its weight is a {type(weight).__name__}, not a Parameter"
+    if torch_norm:
+        shape = tuple(module.normalized_shape)
+        if weight is not None and tuple(weight.shape) != shape:
+            return None, [], f"weight of shape {tuple(weight.shape)} for normalized_shape {shape}"
+        eps_values = [module.eps]
+    else:
+        if weight is not None and weight.dim() != 1:
+            return None, [], f"weight is not 1-D (shape {tuple(weight.shape)})"
+        shape = (weight.shape[0],) if weight is not None else (32,)
+        eps_values = []
+        for attr in EPS_ATTRIBUTES:
+            value = getattr(module, attr, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value) not in eps_values:
+                eps_values.append(float(value))
+        if not eps_values:
+            return None, [], f"no epsilon attribute ({', '.join(EPS_ATTRIBUTES)}) holding a number"
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 1 or params[0].kind not in positional:
+        names = ", ".join(p.name for p in params)
+        return None, [], f"its forward takes ({names}), not the input alone"
+    if "forward" in vars(module):
+        return None, [], "its forward is replaced on the instance (a hook of another library): a swap would drop it"
+    hooks = [name for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+             if getattr(module, name, None)]
+    if hooks:
+        return None, [], f"has hooks ({', '.join(h.strip('_') for h in hooks)}): a swap would drop them"
+    return shape, eps_values, None
+
+
+def _probe_dtypes(weight: Tensor | None) -> tuple[torch.dtype, ...]:
+    dtypes = [torch.float32, torch.bfloat16]
+    if weight is not None and weight.dtype.is_floating_point and weight.dtype not in dtypes:
+        dtypes.append(weight.dtype)
+    return tuple(dtypes)
+
+
+def _probe_input(shape: tuple[int, ...], eps_values: list[float | None], device: torch.device) -> Tensor:
+    """2 x R rows of ``shape`` (R: 512 elements' worth, between 2 and 8): random, one scaled up,
+    one whose mean square is the largest epsilon (there the epsilon moves rstd by a factor
+    sqrt(2): a misread one shows)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = min(8, max(2, -(-512 // max(1, math.prod(shape)))))
+    x = torch.randn((2, rows, *shape), generator=gen, dtype=torch.float64)
+    eps = max((e for e in eps_values if e), default=0.0)
+    x[0, 0] *= math.sqrt(eps) if eps > 0 else 1e-3
+    x[1, 0] *= 100.0
+    return x.to(device)
+
+
+# Elementwise noise allowed (relative): fp32 rounding noise where the module and the reference
+# run the same torch ops; more where the kernels (another reduction order) are compared.
+_REFERENCE_NOISE = 16 * torch.finfo(torch.float32).eps
+_KERNEL_NOISE = 1e-4
+# Share of the elements that may be apart by more than the noise, for the reference: a
+# semantics that rounds once more or less than the module moves about a quarter of the bf16
+# elements by one unit. The kernels are held to one unit everywhere, not to a share: the
+# Triton interpreter (TRITON_INTERPRET=1) rounds fp32 to bf16 toward zero, one unit off
+# on about half the elements.
+_REFERENCE_APART = 0.02
+_KERNEL_APART = 1.0
+
+
+def _disagreement(want: Tensor, got: Tensor, noise: float = _REFERENCE_NOISE,
+                  apart_limit: float = _REFERENCE_APART) -> tuple[float, str | None]:
+    """``(size of the error, None)`` when ``got`` agrees with ``want``: same shape and dtype, no
+    element further apart than one unit in the last place of the output dtype (plus ``noise``)
+    and at most ``apart_limit`` of the elements apart by more than ``noise``. Else ``(size,
+    how they differ)``; the size (in units) ranks near misses."""
+    if want.shape != got.shape or want.dtype != got.dtype:
+        return math.inf, (f"output {tuple(got.shape)} {_name(got.dtype)}, the module's "
+                          f"{tuple(want.shape)} {_name(want.dtype)}")
+    if want.numel() == 0:
+        return 0.0, None
+    a, b = want.double(), got.double()
+    err = torch.where(a.isnan() & b.isnan(), 0.0, (a - b).abs()).nan_to_num(math.inf)
+    floor = noise * a.abs() + 1e-7
+    ulp = torch.finfo(want.dtype).eps * a.abs() + floor  # at least one unit in the last place
+    apart = (err > floor).double().mean().item()
+    worst = (err / ulp).max().item()
+    if worst <= 1.0 and apart <= apart_limit:
+        return worst, None
+    return worst, f"max error {err.max().item():.3g} ({worst:.3g} units), {apart:.0%} of elements apart"
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _clone_with_weight(module: nn.Module, weight: nn.Parameter | None, value: Tensor | None) -> nn.Module:
+    """A deepcopy of ``module`` whose weight is ``value`` (the original weight is not copied)."""
+    memo = {} if weight is None else {id(weight): nn.Parameter(value, requires_grad=weight.requires_grad)}
+    return copy.deepcopy(module, memo)
+
+
+def _run(module: nn.Module, x: Tensor) -> Tensor:
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # e.g. F.rms_norm's "Mismatch dtype between input and weight"
+        return module(x)
+
+
+_SIMPLE = (bool, int, float, str, type(None), torch.dtype)
+
+
+def _probe_key(module: nn.Module, shape: tuple[int, ...], weight: Tensor | None) -> tuple | None:
+    """What the probe's result depends on: the class, the mode, the weight's shape, dtype and
+    device, and the instance's plain attributes; None (do not share) if any attribute is
+    something else (a tensor, a callable, an object), which the forward might read."""
+    state = []
+    for name, value in vars(module).items():
+        if name.startswith("_") or name == "training":
+            continue
+        plain = isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value))
+        if not plain:
+            return None
+        state.append((name, value))
+    w = None if weight is None else (weight.dtype, weight.device, weight.requires_grad)
+    return type(module), module.training, shape, w, tuple(state)
+
+
+def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = None) -> Recognition | None:
+    """What ``module`` computes (module docstring): None when it is not examined (not named
+    like a norm, or named like another norm and not RMSNorm-like); else a ``Recognition``
+    with the semantics, or with the reason it is left alone. ``by_name=False`` examines the
+    module whatever its name (its class declares itself an RMSNorm some other way).
+    ``cache`` (a dict the caller keeps, e.g. for one model) shares a probe's result among
+    modules that only the weight's values tell apart. ``module`` itself is not run and not
+    changed."""
+    torch_norm = isinstance(module, nn.RMSNorm)
+    examined, named_rms = _named_like_a_norm(module) if by_name else (True, True)
+    if not (torch_norm or examined):
+        return None
+    shape, eps_values, why = _structure(module, torch_norm)
+    if why is not None:
+        if not (torch_norm or named_rms):
+            return None
+        prefix = "named like an RMSNorm but " if by_name else ""
+        return Recognition(None, reason=f"{prefix}not RMSNorm-like: {why}")
+    weight = getattr(module, "weight", None)
+    device = weight.device if weight is not None else torch.device("cpu")
+    if device.type == "meta":
+        return Recognition(None, reason="parameters on the meta device: nothing to probe")
+    key = None if cache is None else _probe_key(module, shape, weight)
+    found = cache.get(key) if key is not None else None
+    if found is None:
+        found = _probe(module, shape, eps_values, weight, device)
+        if key is not None:
+            cache[key] = found
+    if found.semantics is None:
+        return found
+    last_dim_only = weight is None and not torch_norm
+    return Recognition(found.semantics, None if last_dim_only else shape, found.eps, weight)
+
+
+def _probe(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | None], weight: nn.Parameter | None,
+           device: torch.device) -> Recognition:
+    dtypes = _probe_dtypes(weight)
+    x64 = _probe_input(shape, eps_values, device)
+    gen = torch.Generator().manual_seed(1)
+    w64 = None if weight is None else torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
+    # (x, weight, the module's output) per dtype pair; pairs of mixed dtypes that the module's
+    # forward refuses are not probed, but the module must run its weight's dtype.
+    probes: list[tuple[Tensor, Tensor | None, Tensor]] = []
+    for w_dtype in (dtypes if weight is not None else (None,)):
+        w = None if w64 is None else w64.to(w_dtype)
+        clone = _clone_with_weight(module, weight, w)
+        for x_dtype in dtypes:
+            x = x64.to(x_dtype)
+            try:
+                want = _run(clone, x)
+            except Exception as e:  # a forward that cannot run this pair
+                if w_dtype is None or x_dtype == w_dtype:
+                    return Recognition(None, reason=f"its forward failed on the probe: {type(e).__name__}: {e}")
+                continue
+            if not isinstance(want, Tensor):
+                return Recognition(None, reason=f"its forward returns a {type(want).__name__}, not a tensor")
+            if not probes:  # once more in the other mode: the forward must not depend on it
+                clone.train(not module.training)
+                again = _run(clone, x)
+                clone.train(module.training)
+                if not (isinstance(again, Tensor) and again.shape == want.shape and torch.equal(again, want)):
+                    return Recognition(None, reason="its forward differs between train and eval mode")
+            probes.append((x, None if weight is None else clone.weight, want))
+    best: tuple[float, str, str] | None = None
+    for eps in eps_values:
+        for semantics in SEMANTICS:
+            failure = None
+            for x, w, want in probes:
+                size, failure = _disagreement(want, semantics.reference(x, shape, w, eps))
+                if failure is not None:
+                    where = f"x {_name(x.dtype)}" + ("" if w is None else f", weight {_name(w.dtype)}")
+                    if best is None or size < best[0]:
+                        best = (size, semantics.name, f"{failure} at {where}")
+                    break
+            if failure is None:
+                return _verify(probes, semantics, shape, eps, weight)
+    assert best is not None
+    names = ", ".join(s.name for s in SEMANTICS)
+    return Recognition(None, reason=f"computes none of {names} (closest: {best[1]}, {best[2]})")
+
+
+def _verify(probes: list[tuple[Tensor, Tensor | None, Tensor]], semantics: Semantics, shape: tuple[int, ...],
+            eps: float | None, weight: nn.Parameter | None) -> Recognition:
+    """Run the chosen semantics through ``rms_norm`` on the probe of the weight's own dtype
+    (the one a model runs; one kernel variant to build), as the swapped module will."""
+    own = weight.dtype if weight is not None else torch.float32
+    x, w, want = next(((x, w, y) for x, w, y in probes if x.dtype == own and (w is None or w.dtype == own)),
+                      probes[0])
+    try:
+        with torch.no_grad(), fallback_policy("reference"):
+            got = semantics.rms_norm(x, shape, w, eps)
+    except Exception as e:
+        return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
+    _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
+    if failure is not None:
+        return Recognition(None, reason=f"computes {semantics.name}, but rms_norm disagrees on the probe: {failure}")
+    return Recognition(semantics, shape, eps, weight)
