@@ -5,6 +5,7 @@ kernels (that happens at the first launch). To run the kernels on CPU tensors
 through the Triton interpreter, set ``TRITON_INTERPRET=1`` before that.
 """
 
+from torch_rmsnorm_op import batching, distributed  # noqa: F401  (they register the vmap and DTensor sharding rules)
 from torch_rmsnorm_op.contract import RMSNormDTypeError, RMSNormInputError
 from torch_rmsnorm_op.fallback import (
     FallbackError,
