@@ -9,7 +9,7 @@ a batch of output gradients.
 The ops normalize over the last dim and treat every leading dim as more rows, so a batch dim is
 just more rows: each rule moves the batch dims to the front, expands the unbatched operands to
 the batch (a view) and calls the op once on all rows. Where the kernels cannot address such a
-view's rows but can a contiguous copy's (``fallback.kernel_unsupported_reason``), the rule passes
+view's rows but can a contiguous copy's (``dispatch.forward_plan``), the rule passes
 the copy; otherwise the view itself.
 
 The weight gradient of a batched backward is per sample: ``dweight[b]`` is the sum over sample
@@ -38,11 +38,12 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import (
+    dispatch,
     ops,  # noqa: F401  (defines the ops the rules are registered on)
     reference,
 )
 from torch_rmsnorm_op.contract import check_backward_args, check_forward_args
-from torch_rmsnorm_op.fallback import kernel_unsupported_reason, record_fallback
+from torch_rmsnorm_op.fallback import record_fallback
 
 _PER_SAMPLE_WEIGHTS = "per-sample weights under vmap"
 
@@ -59,12 +60,16 @@ def _expanded(t: Tensor | None, dim: int | None, batch_size: int) -> Tensor | No
     return t.expand(batch_size, *t.shape)
 
 
+def _served(t: Tensor, weight: Tensor | None) -> bool:
+    return t.shape[-1] == 0 or isinstance(dispatch.forward_plan(t, weight), dispatch.Plan)
+
+
 def _rows_for_kernels(t: Tensor, weight: Tensor | None) -> Tensor:
     """``t``, or its contiguous copy where the kernels serve the copy but not ``t`` itself."""
-    if t.is_contiguous() or kernel_unsupported_reason(t, weight) is None:
+    if t.is_contiguous() or _served(t, weight):
         return t
     c = t.contiguous()
-    return c if kernel_unsupported_reason(c, weight) is None else t
+    return c if _served(c, weight) else t
 
 
 def _sample(t: Tensor) -> Tensor:

@@ -17,7 +17,7 @@ import torch
 # Split mode has no cliff up to here: it spreads a row over at most MAX_SPLIT programs
 # (columns per program grow past the table's to keep it so), which must all be resident at
 # once, so a GPU with fewer SMs than a row needs programs sends that N to the fallback
-# policy (fallback.kernel_unsupported_reason).
+# policy (dispatch.split_mode_reason).
 MAX_N = 1 << 20
 MAX_SPLIT = 128
 
@@ -37,10 +37,13 @@ FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
-    # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung below before:
-    # 79.1%); N=3584 1 row x 8 warps 91.3% (4 rows 84.3%), N=4096 91.0% (4 rows 89.2%).
+    # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
+    # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%).
     (2048, 4096, 8, dict(mask_free=True)),
-    (4096, 4096, 8, dict(mask_free=True)),
+    (4095, 4096, 8, {}),
+    # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
+    # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
+    (4096, 4096, 8, dict(looped=True, mask_free=True)),
     # N=5120 1 row x 8 warps 84.2% (looped 4096 x 16, the rung above before: 71.5%), 7168 94.0% (89.8%); at
     # N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
     (8191, 8192, 8, {}),

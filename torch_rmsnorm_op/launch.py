@@ -247,9 +247,13 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     if has_weight:
         rows, merge = _partials(plan, x.dtype, device)
         splits = _reduce_splits(rows, n, device)
-        if workspace is None:
-            workspace = torch.empty((rows + (splits if splits > 1 else 0), n), dtype=torch.float32, device=device)
-        partial, mid = workspace[:rows], workspace[rows:]
+        if workspace is not None:
+            partial, mid = workspace[:rows], workspace[rows:]
+        else:
+            # Two tensors, not views of one: while tracing, a kernel writing into a view of a
+            # buffer that another kernel also writes makes the graph copy and re-allocate it.
+            partial = torch.empty((rows, n), dtype=torch.float32, device=device)
+            mid = torch.empty((splits, n), dtype=torch.float32, device=device) if splits > 1 else None
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     placeholder = x  # pointers the kernel does not read under its constexprs

@@ -21,7 +21,8 @@ the weight's shape and dtype.
 Registration (``torch.library``): ``Library.define`` + ``impl`` for the implementations (an
 eager call costs less host time than through ``custom_op``'s wrapper), ``register_fake``,
 ``register_autograd`` (the forward ops' formulas call the backward ops, so AOTAutograd puts
-them into compiled backward graphs), ``register_vmap``, ``register_autocast``. And a rule for
+them into compiled backward graphs), ``register_autocast``; the vmap rules are in
+``batching.py``, the DTensor sharding rules in ``distributed.py``. And a rule for
 ``FunctionalTensorMode``, the mode AOTAutograd traces compiled graphs under: there an op on
 CUDA tensors decomposes into its implementation, whose kernels launch through
 ``torch.library.wrap_triton``, so Inductor sees the kernels and the generated code launches
@@ -307,23 +308,7 @@ def _add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: 
 torch.library.register_autograd("rmsnorm::add_fwd", _add_backward, setup_context=_add_setup_context, lib=_LIB)
 
 
-# --- vmap, autocast --------------------------------------------------------------------------
-
-
-@torch.library.register_vmap("rmsnorm::fwd", lib=_LIB)
-def _(info, in_dims, x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
-      norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None):
-    # The op normalizes the last dim; any other dim is just more rows: one call for the batch.
-    x_dim, w_dim, _ = in_dims
-    x = x.movedim(x_dim, 0) if x_dim is not None else x.expand(info.batch_size, *x.shape)
-    kw = dict(weight_offset=weight_offset, norm_dtype=norm_dtype, out_dtype=out_dtype)
-    if w_dim is None:
-        return torch.ops.rmsnorm.fwd(x, weight, eps, **kw), (0, 0)
-    # Per-sample weights: the kernels take one weight row, so the reference formula (which
-    # broadcasts them) serves it, under the fallback policy like any other fallback.
-    record_fallback("rmsnorm.fwd", "per-sample weights under vmap")
-    w = weight.movedim(w_dim, 0).reshape(info.batch_size, *[1] * (x.dim() - 2), x.shape[-1])
-    return reference.rms_norm_forward(x, w, eps, **kw), (0, 0)
+# --- autocast --------------------------------------------------------------------------
 
 
 # Autocast as aten's rms_norm has it in this torch: where it is on a device's autocast fp32

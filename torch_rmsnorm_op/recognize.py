@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from torch_rmsnorm_op import reference
 from torch_rmsnorm_op.fallback import fallback_policy
-from torch_rmsnorm_op.ops import rms_norm
+from torch_rmsnorm_op.functional import rms_norm
 
 _HALF = (torch.float16, torch.bfloat16)
 EPS_ATTRIBUTES = ("variance_epsilon", "eps", "epsilon")
