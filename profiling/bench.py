@@ -1,6 +1,6 @@
 """Benchmark script: ``python profiling/bench.py [--out DIR] [--quick] [--smoke]``.
 
-The same as ``python -m torch_rmsnorm_op bench``; see ``torch_rmsnorm_op/benchmark.py``
+The same as ``python -m torch_rmsnorm_op bench``; see ``torch_rmsnorm_op/tools/benchmark.py``
 for what every number includes.
 """
 

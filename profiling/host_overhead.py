@@ -1,19 +1,26 @@
-"""Where the host time of one forward call goes, on a CUDA machine (profiling/NOTES.md).
+"""Where the host time of one eager forward call goes, layer by layer, on a CUDA machine.
 
-At 128x257 fp32 and 4096x4096 bf16, back-to-back calls (``benchmark.calls_us``, windows in turn):
-``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; the launcher
-with preallocated outputs; Triton's JIT launch of the forward kernel; the compiled
-kernel's own launcher (``CompiledKernel[grid]``), ``compiled.run`` and ``kernels._launcher``'s
-call (Triton 3.6: its C launch) with the same arguments; and the
-pieces a launch needs (the launch key ``kernels._run`` computes, the current stream). Under
-``torch.compile(mode="reduce-overhead")``: ours and Inductor's ``F.rms_norm``, wall
-time and GPU time per call, with and without ``mark_static_address`` on the input,
-and the cudagraph skip counter. Then a cProfile of the eager call. "host only" rows: the host's
-time per call of a few of these, not waiting for the GPU (``host_us``).
+At ``benchmark.LATENCY_SHAPES`` (128x257 fp32, 4096x4096 bf16), no grad, back-to-back calls
+(``benchmark.calls_us``: windows of every row in turn, median), each layer timed alone:
+``F.rms_norm``; ``torch_rmsnorm_op.rms_norm``; ``torch.ops.rmsnorm.fwd``; ``ops.forward`` (the
+ops' implementation: plan, outputs, launch), without rstd as ``rms_norm`` calls it and with;
+then, outputs preallocated, the plan lookup and the launch: ``dispatch.forward_plan`` +
+``launch.replay_forward``, ``launch.replay_forward`` (the launch an eager plan keeps),
+``launch.forward`` (the launcher's own path, through the compiled kernel's launcher after the
+first call), Triton's JIT launch of the plan's kernel (``kernel[grid](...)``), the kept
+compiled kernel launched as ``CompiledKernel[grid]``, and its bare call (``Plan.launcher.call``,
+what ``replay_forward`` runs) with the tensors' addresses as ints; and the pieces a call needs:
+the argument checks, the plan lookup, the allocations, the pointers, the current stream.
+"host only" rows: the host's time per call of a few of these, not waiting for the GPU
+(``host_us``). Under ``torch.compile(mode="reduce-overhead")``: ours and Inductor's
+``F.rms_norm``, wall time and GPU time per call, with and without ``mark_static_address`` on the
+input, the cudagraph skip counter, and a ``torch.cuda.CUDAGraph`` replay of our call. Then a
+cProfile of the eager call.
 
-Run: ``python profiling/host_overhead.py --out DIR`` (writes ``DIR/host_overhead.json``
-and ``DIR/host_overhead_profile.txt``). ``TRITON_INTERPRET=1 python profiling/host_overhead.py
---cpu`` prints the op's own host time on CPU, the launcher replaced by a no-op.
+Run: ``python profiling/host_overhead.py --out DIR [--eager-only]`` (writes
+``DIR/host_overhead.json`` and ``DIR/host_overhead_profile.txt``).
+``TRITON_INTERPRET=1 python profiling/host_overhead.py --cpu`` prints the op's own host time on
+CPU, the launch replaced by a no-op (comparable across commits on one machine).
 """
 
 from __future__ import annotations
@@ -34,71 +41,71 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch_rmsnorm_op as T  # noqa: E402
-from torch_rmsnorm_op import contract, kernels, ops  # noqa: E402
-from torch_rmsnorm_op.config import forward_config  # noqa: E402
+from torch_rmsnorm_op import contract, dispatch, kernels, launch, ops  # noqa: E402
 from torch_rmsnorm_op.tools.benchmark import EPS, LATENCY_SHAPES, call_us, calls_us, cuda_graph, gpu_us  # noqa: E402
+
+# The launches' compile option (fused multiply-adds on): the JIT row compiles the kernel the launcher runs.
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
+
+
+def forward_kernel(plan: dispatch.Plan):
+    """The kernel ``launch.forward`` runs for ``plan``."""
+    if plan.cfg.split > 1:
+        return kernels._rms_norm_fwd_split
+    return kernels._rms_norm_fwd_looped if plan.cfg.looped else kernels._rms_norm_fwd_rows
 
 
 def eager_rows(m: int, n: int, dtype: torch.dtype) -> dict:
     x = torch.randn(m, n, device="cuda", dtype=dtype)
     w = torch.rand(n, device="cuda", dtype=dtype) + 0.5
     y, rstd = torch.empty_like(x), torch.empty(m, device="cuda")
-    cfg = forward_config(n, dtype)
-    grid = triton.cdiv(m, cfg.rows)
-    meta = kernels.constexprs(cfg, backward=False, has_weight=True)  # single-pass at these shapes
-    args = [x, w, y, rstd, x, x.stride(0), y.stride(0), m, n, EPS, 0]  # SLOTS unused; rows_per_group 0
-    compiled = kernels._rms_norm_fwd[(grid,)](*args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS)
-    full = args + list(meta.values())  # the compiled launcher takes every argument, constexprs too
+    for _ in range(2):  # the JIT's launch, then the compiled kernel's, which the plan keeps
+        ops.forward(x, w, EPS)
+    plan = dispatch.forward_plan(x, w)  # the plan ops.forward used (kept per input signature)
+    if type(plan) is str or plan.launcher is None:
+        raise SystemExit(f"{m}x{n} {dtype}: no replayable plan ({plan if type(plan) is str else 'no launch kept'})")
+    # The launch as launch.forward makes it: x stands in for the residual and its sum (no residual).
+    ptrs = [x, x, w, y, x, rstd]
+    grid3, sizes, tail = plan.replay  # tail: the row strides, then the constexprs in parameter order
+    kernel, launcher = forward_kernel(plan), plan.launcher
     stream = torch.cuda.current_stream().cuda_stream
-    launcher = compiled[(grid, 1, 1)]
-    # The same arguments with the tensors' addresses as ints: the C launcher then skips the
-    # data_ptr() call and the driver's pointer check (cuPointerGetAttribute) it makes per tensor.
-    addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in full]
-    bare = (grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None)
-    bare_launcher = kernels._launcher(compiled)  # Triton 3.6: its C launch without CudaLauncher.__call__
-    for _ in range(2):  # the JIT's launch, then the compiled kernel's, which keeps the plan
-        kernels.launch_forward(x, w, EPS, y, rstd, keep_plan=True)
-    plan = kernels.forward_plan(x, w, True)
-    assert plan is not None
+    args = [*ptrs, *sizes, EPS, *tail]
+    # The tensors' addresses as ints: the C launcher then skips the data_ptr() call and the
+    # driver's pointer check it makes per tensor.
+    addresses = [t.data_ptr() for t in ptrs] + [*sizes, EPS, *tail]
     want = F.rms_norm(x.float(), (n,), w.float(), EPS)
-    torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2)
-    y.zero_()
-    launcher(*full, stream=stream)
-    torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2)
+    for name, run in (("launch.replay_forward", lambda: launch.replay_forward(plan, x, w, EPS, y, rstd)),
+                      ("Plan.launcher.call", lambda: launcher.call(*grid3, stream, *launcher.head, *addresses))):
+        y.zero_()
+        run()
+        torch.testing.assert_close(y.float(), want, atol=1e-2, rtol=2e-2, msg=lambda s, name=name: f"{name}: {s}")
     calls = {
         "F.rms_norm": lambda: F.rms_norm(x, (n,), w, EPS),
         "torch_rmsnorm_op.rms_norm": lambda: T.rms_norm(x, (n,), w, EPS),
         "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
-        "kernels.launch_forward": lambda: kernels.launch_forward(x, w, EPS, y, rstd),
-        "kernels.forward_plan + launch_planned": lambda: kernels.launch_planned(
-            kernels.forward_plan(x, w, True), x, w, EPS, y, rstd),
-        "kernels.launch_planned": lambda: kernels.launch_planned(plan, x, w, EPS, y, rstd),
-        "JIT launch (kernel[grid](...))": lambda: kernels._rms_norm_fwd[(grid,)](
-            *args, **meta, num_warps=cfg.num_warps, **kernels.COMPILE_OPTIONS
-        ),
-        "compiled launcher, stream given": lambda: launcher(*full, stream=stream),
-        "compiled launcher, stream looked up": lambda: launcher(*full),
-        "compiled.run, no hooks (kernels._run's call)": lambda: compiled.run(*bare, *full),
-        "compiled.run, no hooks, int addresses": lambda: compiled.run(*bare, *addresses),
-        "kernels._launcher(compiled).call, int addresses": lambda: bare_launcher.call(
-            grid, 1, 1, stream, *bare_launcher.head, *addresses),
-        "five data_ptr() calls": lambda: [x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), x.data_ptr()],
+        "ops.forward, no rstd (rms_norm's call after its checks)": lambda: ops.forward(x, w, EPS, want_rstd=False),
+        "ops.forward": lambda: ops.forward(x, w, EPS),
+        "dispatch.forward_plan + launch.replay_forward": lambda: launch.replay_forward(
+            dispatch.forward_plan(x, w), x, w, EPS, y, rstd),
+        "launch.replay_forward": lambda: launch.replay_forward(plan, x, w, EPS, y, rstd),
+        "launch.forward": lambda: launch.forward(plan, x, w, EPS, y, rstd),
+        "JIT launch (kernel[grid](...))": lambda: kernel[grid3[:1]](*args, num_warps=plan.cfg.num_warps,
+                                                                  **COMPILE_OPTIONS),
+        "CompiledKernel[grid], stream given": lambda: launcher.compiled[grid3](*args, stream=stream),
+        "Plan.launcher.call, int addresses": lambda: launcher.call(*grid3, stream, *launcher.head, *addresses),
+        "six data_ptr() calls": lambda: [t.data_ptr() for t in ptrs],
         "current_stream().cuda_stream": lambda: torch.cuda.current_stream().cuda_stream,
-        "launch key (kernels._specialization)": lambda: kernels._specialization(args),
-        "two torch.empty": lambda: (torch.empty_like(x), torch.empty(m, device="cuda")),
-        "torch.empty_like(x)": lambda: torch.empty_like(x),
-        "torch.empty_like(x, memory_format=contiguous)": lambda: torch.empty_like(
-            x, memory_format=torch.contiguous_format),
+        "two torch.empty": lambda: (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+                                    torch.empty(m, device="cuda")),
         "torch.empty(x.shape, dtype, device)": lambda: torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        "x.new_empty(x.shape)": lambda: x.new_empty(x.shape),
-        "ops._forward, no rstd (rms_norm's call after its checks)": lambda: ops._forward(x, w, EPS, False),
-        "check_functional_args": lambda: contract.check_functional_args(x, (n,), w),
-        "ops._nothing_to_dispatch": lambda: ops._nothing_to_dispatch(x, w),
-        "kernels.forward_plan": lambda: kernels.forward_plan(x, w, False),
+        "torch.empty_like(x)": lambda: torch.empty_like(x),
+        "contract.check_functional_args": lambda: contract.check_functional_args(x, (n,), w),
+        "contract.check_forward_args": lambda: contract.check_forward_args(x, w),
+        "dispatch.forward_plan": lambda: dispatch.forward_plan(x, w),
     }
     out = {name: round(us, 2) for name, us in calls_us(calls, calls=300).items()}
-    host = {name: calls[name] for name in ("F.rms_norm", "torch_rmsnorm_op.rms_norm", "kernels.launch_planned",
-                                          "torch.empty_like(x, memory_format=contiguous)")}
+    host = {name: calls[name] for name in ("F.rms_norm", "torch_rmsnorm_op.rms_norm", "launch.replay_forward",
+                                          "torch.empty(x.shape, dtype, device)")}
     out |= {f"host only: {name}": round(us, 2) for name, us in host_us(host).items()}
     return out
 
@@ -148,19 +155,28 @@ def graph_rows(m: int, n: int, dtype: torch.dtype) -> dict:
 
 
 def cpu_op_cost() -> dict:
-    """The op's own host time without a kernel: CPU tensors, the launcher replaced by a no-op
-    (run with ``TRITON_INTERPRET=1``); comparable across commits on one machine."""
-    kernels.launch_forward = lambda *args, **kwargs: None
+    """The op's own host time without a kernel: CPU tensors, ``launch.forward`` replaced by a
+    no-op (run with ``TRITON_INTERPRET=1``, so that the kernels serve CPU tensors)."""
     x, w = torch.randn(128, 257), torch.randn(257)
+    plan = dispatch.forward_plan(x, w)
+    if type(plan) is str:
+        raise SystemExit(f"the kernels do not serve CPU tensors here: {plan}")
     calls = {
         "torch_rmsnorm_op.rms_norm": lambda: T.rms_norm(x, (257,), w, EPS),
         "torch.ops.rmsnorm.fwd": lambda: torch.ops.rmsnorm.fwd(x, w, EPS),
+        "ops.forward": lambda: ops.forward(x, w, EPS),
+        "dispatch.forward_plan": lambda: dispatch.forward_plan(x, w),
     }
-    return {name: round(call_us(fn, calls=2000), 2) for name, fn in calls.items()}
+    forward = launch.forward
+    launch.forward = lambda *args, **kwargs: None
+    try:
+        return {name: round(call_us(fn, calls=2000), 2) for name, fn in calls.items()}
+    finally:
+        launch.forward = forward
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".")
     p.add_argument("--cpu", action="store_true", help="only the op's own host time on CPU (no kernel)")
     p.add_argument("--eager-only", action="store_true", help="skip the reduce-overhead rows")
@@ -168,6 +184,8 @@ def main() -> None:
     if args.cpu:
         print(json.dumps(cpu_op_cost()))
         return
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (--cpu measures the op's host time on CPU)")
     os.makedirs(args.out, exist_ok=True)
     T.set_fallback_policy("error")
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

@@ -25,6 +25,8 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--n", default="256,1024,8192,16384,32768,65536")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     parts = [f"# torch {torch.__version__}, {torch.cuda.get_device_name()}\n"]
     for n in map(int, args.n.split(",")):
         m = BANDWIDTH_BYTES // (n * 2)

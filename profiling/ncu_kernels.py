@@ -10,9 +10,9 @@ both up (compiles, autotunes) outside the profiled range, then one step each ins
         --section MemoryWorkloadAnalysis --section WarpStateStats \\
         python profiling/ncu_kernels.py --jobs fwd:bfloat16:256,...
 
-(``profiling/gpu_run.sh ncu OUT JOBS`` does this). Each kernel's section tables give DRAM bytes
-read and written (against the byte floor), achieved occupancy, waves and warp stall reasons.
-Without ncu it just runs the steps (a check that the script works).
+Each kernel's section tables give DRAM bytes read and written (against the byte floor), achieved
+occupancy, waves and warp stall reasons. Without ncu it just runs the steps (a check that the
+script works).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--jobs", default="fwd:bfloat16:256,fwd:float32:4096")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
     torch._dynamo.config.recompile_limit = 1000
     plan = []
     for job in args.jobs.split(","):

@@ -1,15 +1,27 @@
 """Registers and stack (spills) of the kernels' configurations, compiled for the H200 (sm_90a)
 on a machine without a GPU: Triton's compiler and its bundled ``cuobjdump``.
 
-A spilling configuration is slow on the device (profiling/NOTES.md), so this answers "does it
-fit?" before any device time is spent. Compiles the table's configuration for each job, and
-with ``--near`` the neighbours ``tune.py --near`` would time. Do not set TRITON_INTERPRET.
-Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--near]``.
+A spilling configuration is slow on the device, so this answers "does it fit?" before any
+device time is spent. For each job (``pass:dtype:N``, pass ``fwd``, ``add_fwd``, ``bwd`` or
+``add_bwd`` as in ``tune.py``) it compiles the kernel the table's configuration selects (rows,
+looped or split forward; rows or split backward), specialized as Triton's launcher would
+specialize it for the benchmark's contiguous x of 256 MiB (``--m`` for another row count):
+16-byte aligned pointers, integer arguments by value (1 a constant, multiples of 16 marked so),
+the launcher's constexprs (masks dropped where the tiles cover x exactly, the looped forward's
+step count, the backward's dweight partials merged in pairs where the launcher would merge
+them). With ``--near`` it also compiles the candidates ``tune.py`` times around the table's
+configuration (``fwd_candidates`` / ``bwd_candidates``). Compiles run in ``--workers``
+processes. Do not set TRITON_INTERPRET.
+
+Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--m M] [--near]
+[--merge] [--workers W]``; prints one line per configuration, ``table`` marking the table's.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import os
 import re
 import subprocess
@@ -23,46 +35,106 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tune import neighbours  # noqa: E402
+from tune import bwd_candidates, fwd_candidates  # noqa: E402
 
-from torch_rmsnorm_op import kernels  # noqa: E402
-from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
+from torch_rmsnorm_op import kernels, launch  # noqa: E402
+from torch_rmsnorm_op.config import KernelConfig, backward_config, cdiv, forward_config  # noqa: E402
+from torch_rmsnorm_op.tools.benchmark import BANDWIDTH_BYTES  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+SMS = 132  # the H200's multiprocessors: they size the grid's row groups (config.row_groups)
+# The launches' compile option (fused multiply-adds on, stated rather than left to Triton's default).
+COMPILE_OPTIONS = dict(enable_fp_fusion=True)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-INTS = {"stride_x": "i64", "stride_y": "i64", "stride_dy": "i64", "stride_dx": "i64",
-        "M": "i32", "N": "i32", "rows_per_group": "i32"}
+# Pointer parameters of the kernels that are not of x's dtype (weight and sums have x's dtype here).
+POINTER_TYPES = {"RSTD": "*fp32", "SLOTS": "*i64", "DW_PARTIAL": "*fp32", "DW_FLAGS": "*i32"}
+PASSES = ("fwd", "add_fwd", "bwd", "add_bwd")
 
 
-def signature(backward: bool, dtype: torch.dtype) -> dict[str, str]:
-    t = "*" + TRITON_TYPES[dtype]
+def kernel_for(cfg: KernelConfig, backward: bool):
+    """The kernel ``launch.forward`` / ``launch.backward`` runs for ``cfg``."""
     if backward:
-        ptrs = dict(DY=t, X=t, W=t, RSTD="*fp32", DX=t, DW_PARTIAL="*fp32", DW_FLAGS="*i32", SLOTS="*i64")
-        rest = ["stride_dy", "stride_x", "stride_dx", "M", "N", "rows_per_group"]
-    else:
-        ptrs = dict(X=t, W=t, Y=t, RSTD="*fp32", SLOTS="*i64")
-        rest = ["stride_x", "stride_y", "M", "N", "eps", "rows_per_group"]
-    return ptrs | {name: INTS.get(name, "fp32") for name in rest}
+        return kernels._rms_norm_bwd_split if cfg.split > 1 else kernels._rms_norm_bwd_rows
+    if cfg.split > 1:
+        return kernels._rms_norm_fwd_split
+    return kernels._rms_norm_fwd_looped if cfg.looped else kernels._rms_norm_fwd_rows
 
 
-def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge: bool = False,
-                   n: int | None = None) -> tuple[int, int]:
+def row_groups(m: int, cfg: KernelConfig) -> tuple[int, int]:
+    """``config.row_groups`` on a GPU of ``SMS`` multiprocessors: (row groups, rows per group)."""
+    target = max(1, cfg.programs_per_sm * SMS // cfg.split)
+    rows_per_group = cdiv(cdiv(m, target), cfg.rows) * cfg.rows
+    return cdiv(m, rows_per_group), rows_per_group
+
+
+def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.dtype,
+               merge: bool | None = None) -> dict:
+    """The constexprs the launcher passes for ``cfg`` at [m, n] (with a weight, rstd stored, no
+    weight offset or rounding; split mode in one launch). ``merge`` None: the dweight partials
+    merged where the launcher would merge them (``launch.merged_partials``)."""
+    backward, residual = pass_name.endswith("bwd"), pass_name.startswith("add")
+    common = dict(BLOCK_N=cfg.block_n, HAS_WEIGHT=True, LEAD_DIMS=1, WEIGHT_OFFSET=0.0)
+    if backward:
+        if merge is None:
+            merge = launch.merged_partials(row_groups(m, cfg)[0], m, n, dtype)
+        common |= dict(HAS_DRES=residual, STAGES=cfg.stages, MERGE=merge)
+        if cfg.split > 1:
+            return common | dict(SPLIT=cfg.split, PHASE=0, INTERLEAVE=cfg.interleave)
+        return common | dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload)
+    common |= dict(HAS_RESIDUAL=residual, STORE_RSTD=True, ROUND=0)
+    if cfg.split > 1:
+        return common | dict(SPLIT=cfg.split, PHASE=0, STAGES=cfg.stages, INTERLEAVE=cfg.interleave)
+    unmasked = cfg.mask_free and launch.exact_tiles(cfg, m, n)
+    if cfg.looped:
+        return common | dict(UNMASKED=unmasked, STAGES=cfg.stages, STEPS=launch.loop_steps(cfg, m, n))
+    return common | dict(ROWS=cfg.rows, UNMASKED=unmasked)
+
+
+def int_args(cfg: KernelConfig, m: int, n: int, residual: bool) -> dict[str, int]:
+    """The integer arguments of a launch on contiguous [m, n] tensors (launch.py's order of
+    strides: x's row layout, then the other tensors' row strides; dres's 0 when absent)."""
+    return dict(M=m, N=n, rows_per_group=row_groups(m, cfg)[1], x_size1=1, x_size2=1, x_stride0=n, x_stride1=0,
+                x_stride2=0, r_stride=n, y_stride=n, h_stride=n, dy_stride=n, dx_stride=n,
+                dres_stride=n if residual else 0)
+
+
+def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) for ``ASTSource``, as Triton's JIT specializes the launch:
+    pointers by dtype, 16-byte aligned; eps fp32; an int of value 1 a constant, else i32 (i64
+    past int32), divisible by 16 where its value is."""
+    params = {p.name: p for p in fn.params}
+    declared = {name for name, p in params.items() if p.is_constexpr}
+    if declared != set(consts):
+        raise ValueError(f"{fn.__name__}: constexprs {sorted(declared ^ set(consts))} differ from its parameters")
+    sig, consts, divisible = {}, dict(consts), []
+    for name in fn.arg_names:
+        if name in declared:
+            sig[name] = "constexpr"
+        elif name == "eps":
+            sig[name] = "fp32"
+        elif name not in ints:  # a pointer
+            sig[name] = POINTER_TYPES.get(name, "*" + TRITON_TYPES[dtype])
+            divisible.append(name)
+        elif ints[name] == 1:
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32" if -(2**31) <= ints[name] < 2**31 else "i64"
+            if ints[name] % 16 == 0:
+                divisible.append(name)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    return sig, consts, attrs
+
+
+def resource_usage(pass_name: str, dtype: torch.dtype, cfg: KernelConfig, m: int, n: int,
+                   merge: bool | None = None) -> tuple[int, int]:
     """(registers per thread, stack bytes per thread: where spills go) of one configuration,
-    read from the compiled cubin by Triton's bundled ``cuobjdump``; ``n``, if given, picks the
-    specialization the launcher would (a ``mask_free`` config without masks when its tiles cover
-    x exactly)."""
-    fn = kernels._rms_norm_bwd if backward else kernels._rms_norm_fwd
-    exact = n is not None and kernels.exact_tiles(cfg, cfg.rows, n)  # M: a multiple of the rows, as benchmarked
-    steps = 0 if backward or n is None else kernels.loop_steps(cfg, cfg.rows, n)
-    consts = dict(kernels.constexprs(cfg, backward, has_weight=True, merge=merge and backward, exact_tiles=exact,
-                                     steps=steps))
-    sig = signature(backward, dtype) | {name: "constexpr" for name in consts}
-    # What Triton's launcher specializes on for the benchmark's tensors: 16-byte aligned pointers,
-    # N and the row strides multiples of 16. Without it the loads are not vectorized.
-    aligned = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name, kind in sig.items()
-               if kind.startswith("*") or name == "N" or name.startswith("stride")}
-    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=aligned), target=TARGET,
-                              options={"num_warps": cfg.num_warps, **kernels.COMPILE_OPTIONS})
+    read from the compiled cubin by Triton's bundled ``cuobjdump``."""
+    backward = pass_name.endswith("bwd")
+    fn = kernel_for(cfg, backward)
+    consts = constexprs(cfg, pass_name, m, n, dtype, merge)
+    sig, consts, attrs = specialization(fn, dtype, int_args(cfg, m, n, pass_name.startswith("add")), consts)
+    compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
+                              options={"num_warps": cfg.num_warps, **COMPILE_OPTIONS})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -72,22 +144,56 @@ def resource_usage(backward: bool, dtype: torch.dtype, cfg: KernelConfig, merge:
     return int(usage.group(1)), int(usage.group(2))
 
 
+def _line(task: tuple) -> str:
+    job, pass_name, dtype, cfg, table, m, n, merge = task
+    regs, stack = resource_usage(pass_name, dtype, cfg, m, n, merge)
+    return f"{job} {'table' if table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}"
+
+
+def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tuple]:
+    out = []
+    for job in jobs.split(","):
+        pass_name, dtype_name, n = job.split(":")
+        if pass_name not in PASSES:
+            raise SystemExit(f"{job}: pass must be one of {', '.join(PASSES)}")
+        dtype, n = getattr(torch, dtype_name), int(n)
+        backward = pass_name.endswith("bwd")
+        rows = m or BANDWIDTH_BYTES // (n * dtype.itemsize)
+        table = (backward_config if backward else forward_config)(n, dtype)
+        cfgs = [table]
+        if near:
+            try:
+                cfgs += (bwd_candidates if backward else fwd_candidates)(n, table)
+            except ValueError as e:  # a candidate the configuration class refuses
+                print(f"{job}: no candidates from tune.py: {e}", file=sys.stderr)
+        for cfg in dict.fromkeys(cfgs):
+            out.append((job, pass_name, dtype, cfg, cfg == table, rows, n, merge))
+    return out
+
+
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--jobs", default="fwd:bfloat16:32768,bwd:bfloat16:4096,bwd:bfloat16:16384,bwd:float32:16384")
-    p.add_argument("--near", action="store_true", help="also the neighbours tune.py --near times")
-    p.add_argument("--merge", action="store_true", help="backward with its dweight partials merged in pairs")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--jobs", default="fwd:bfloat16:32768,bwd:bfloat16:4096,bwd:bfloat16:16384,bwd:float32:16384",
+                   help="comma-separated pass:dtype:N (pass fwd, add_fwd, bwd, add_bwd)")
+    p.add_argument("--m", type=int, help="rows of x (default: the benchmark's, x of 256 MiB)")
+    p.add_argument("--near", action="store_true", help="also the candidates tune.py times around the table's")
+    p.add_argument("--merge", action="store_true",
+                   help="backward with its dweight partials merged in pairs (default: where the launcher merges)")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
     args = p.parse_args()
-    if kernels.is_interpreted():
+    if not isinstance(kernels._rms_norm_fwd_rows, triton.runtime.JITFunction):
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels for sm_90a")
     print(f"Triton {triton.__version__}, sm_90a")
-    for job in args.jobs.split(","):
-        pass_name, dtype_name, n = job.split(":")
-        backward, dtype, n = pass_name == "bwd", getattr(torch, dtype_name), int(n)
-        table = (backward_config if backward else forward_config)(n, dtype)
-        for cfg in [table] + (neighbours(table, backward, n) if args.near else []):
-            regs, stack = resource_usage(backward, dtype, cfg, args.merge, n)
-            print(f"{job} {'table' if cfg == table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}")
+    todo = tasks(args.jobs, args.m, args.near, True if args.merge else None)
+    if args.workers > 1 and len(todo) > 1:
+        ctx = multiprocessing.get_context("fork")
+        with concurrent.futures.ProcessPoolExecutor(min(args.workers, len(todo)), mp_context=ctx) as pool:
+            lines = pool.map(_line, todo)
+            for line in lines:
+                print(line, flush=True)
+    else:
+        for task in todo:
+            print(_line(task), flush=True)
 
 
 if __name__ == "__main__":
