@@ -220,3 +220,14 @@ def test_compile_only_compiles_without_timing(capsys):
                        impls=("stock",), backend="aot_eager", smoke=True)
     mb.compile_only(sel)
     assert "llama 64 1x8 default stock infer: compiled in" in capsys.readouterr().out
+
+
+def test_judge_takes_the_tolerances_or_twice_stocks_own_distance():
+    stock = {"reference": "eager", "logits_rel_l2_err": 0.025}
+    assert not mb.judge(stock | {"logits_rel_l2_err": 0.031})  # stock against eager: the declared 3e-2
+    assert mb.judge(stock)
+    patched = {"reference": "stock", "logits_rel_l2_err": 0.045}
+    assert mb.judge(patched, stock)  # within twice stock's 0.025
+    assert not mb.judge(patched | {"logits_rel_l2_err": 0.06}, stock)
+    assert not mb.judge(patched | {"logits_rel_l2_err": float("nan")}, stock)
+    assert not mb.judge({"reference": "stock", "loss_rel_err": 0.02, "grad_rel_l2_err": 0.0}, {"loss_rel_err": 1e-4})

@@ -87,8 +87,9 @@ def rms_norm(
     ``1 + weight``; None is no offset); the result has ``out_dtype`` (default: the input's
     dtype)."""
     shape = check_functional_args(input, normalized_shape, weight)
-    # A float default would reach torch.compile as a graph input of its own: None stays constant.
-    weight_offset = 0.0 if weight_offset is None else float(weight_offset)
+    # A float default (or a float attribute) would reach torch.compile as a graph input of its
+    # own; None, and an int, stay constants.
+    weight_offset = 0.0 if weight_offset is None else weight_offset
     if eps is None:
         eps = reference.default_eps(input.dtype)
     else:
@@ -106,8 +107,8 @@ def rms_norm(
     x, w = _flatten(input, shape, weight)
     if direct:
         check_forward_args(x, w, norm_dtype, out_dtype)
-        y = _direct("rmsnorm::fwd", lambda: ops.forward(x, w, float(eps), weight_offset, norm_dtype, out_dtype,
-                                                        want_rstd=False)[0])
+        y = _direct("rmsnorm::fwd", lambda: ops.forward(x, w, float(eps), float(weight_offset), norm_dtype,
+                                                        out_dtype, want_rstd=False)[0])
     else:
         y = torch.ops.rmsnorm.fwd(x, w, float(eps), weight_offset=weight_offset, norm_dtype=norm_dtype,
                                   out_dtype=out_dtype)[0]
@@ -124,7 +125,7 @@ def add_rms_norm(
     dtype, no broadcasting: residual has input's shape); the norm's default ``eps`` and output
     dtype are the sum's. Gradients reach both inputs (the sum's own gradient included)."""
     shape = check_functional_args(input, normalized_shape, weight)
-    weight_offset = 0.0 if weight_offset is None else float(weight_offset)
+    weight_offset = 0.0 if weight_offset is None else weight_offset
     sum_dtype = torch.promote_types(input.dtype, residual.dtype)
     if eps is None:
         eps = reference.default_eps(sum_dtype)
@@ -146,8 +147,9 @@ def add_rms_norm(
         direct = _nothing_to_dispatch((input, residual), weight)
     if direct:
         check_add_args(x, r, w, norm_dtype, out_dtype)
-        y, s, _ = _direct("rmsnorm::add_fwd", lambda: ops.forward(x, w, float(eps), weight_offset, norm_dtype,
-                                                                  out_dtype, residual=r, want_rstd=False))
+        y, s, _ = _direct("rmsnorm::add_fwd", lambda: ops.forward(x, w, float(eps), float(weight_offset),
+                                                                  norm_dtype, out_dtype, residual=r,
+                                                                  want_rstd=False))
     else:
         y, s, _ = torch.ops.rmsnorm.add_fwd(x, r, w, float(eps), weight_offset=weight_offset, norm_dtype=norm_dtype,
                                             out_dtype=out_dtype)

@@ -26,13 +26,13 @@ after that. ``aot_eager`` and other backends that run no Inductor passes see no 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import operator
 import os
 
 import torch
 from torch.fx import Graph, Node
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_rmsnorm_op.fallback import log
 
@@ -77,6 +77,8 @@ def _value(node: object):
 
 
 def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
@@ -143,34 +145,36 @@ def fuse_residual_adds(graph: Graph) -> int:
     return count
 
 
-def _pass_base():
+@functools.cache
+def residual_fusion_pass_class() -> type:
+    """``ResidualFusionPass``: Inductor's ``CustomGraphPass`` (defined on first use, so that
+    importing the package does not import Inductor)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    return CustomGraphPass
+    class ResidualFusionPass(CustomGraphPass):
+        """Inductor ``pre_grad_custom_pass``: ``fuse_residual_adds`` when the rewrite is on, then
+        the pass that was installed before it (if any)."""
 
+        def __init__(self, then=None) -> None:
+            self.then = then
 
-class ResidualFusionPass(_pass_base()):
-    """Inductor ``pre_grad_custom_pass``: ``fuse_residual_adds`` when the rewrite is on, then
-    the pass that was installed before it (if any)."""
+        def __call__(self, graph: Graph) -> None:
+            if residual_fusion_enabled():
+                fuse_residual_adds(graph)
+            if self.then is not None:
+                self.then(graph)
 
-    def __init__(self, then=None) -> None:
-        self.then = then
+        def uuid(self) -> bytes:
+            h = hashlib.sha256()
+            with open(__file__, "rb") as f:
+                h.update(f.read())
+            h.update(b"on" if residual_fusion_enabled() else b"off")
+            then = getattr(self.then, "uuid", None)
+            if self.then is not None:
+                h.update(then() if callable(then) else repr(self.then).encode())
+            return h.digest()
 
-    def __call__(self, graph: Graph) -> None:
-        if residual_fusion_enabled():
-            fuse_residual_adds(graph)
-        if self.then is not None:
-            self.then(graph)
-
-    def uuid(self) -> bytes:
-        h = hashlib.sha256()
-        with open(__file__, "rb") as f:
-            h.update(f.read())
-        h.update(b"on" if residual_fusion_enabled() else b"off")
-        then = getattr(self.then, "uuid", None)
-        if self.then is not None:
-            h.update(then() if callable(then) else repr(self.then).encode())
-        return h.digest()
+    return ResidualFusionPass
 
 
 def install() -> None:
@@ -178,7 +182,8 @@ def install() -> None:
     already set). Graphs compiled afterwards are rewritten where the rewrite is enabled."""
     from torch._inductor import config
 
+    cls = residual_fusion_pass_class()
     current = config.pre_grad_custom_pass
-    if isinstance(current, ResidualFusionPass):
+    if isinstance(current, cls):
         return
-    config.pre_grad_custom_pass = ResidualFusionPass(current)
+    config.pre_grad_custom_pass = cls(current)

@@ -21,7 +21,6 @@ from types import MappingProxyType, ModuleType
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from torch_rmsnorm_op import _torch_compat, _triton_compat
 from torch_rmsnorm_op.config import (
@@ -159,7 +158,11 @@ def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: 
 def _known(cond) -> bool:
     """A size comparison: its value when the sizes are ints; under tracing with symbolic sizes,
     True only where provable (no guard is added)."""
-    return cond if isinstance(cond, bool) else statically_known_true(cond)
+    if isinstance(cond, bool):
+        return cond
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(cond)
 
 
 def merged_partials(groups, m, n: int, dtype: torch.dtype) -> bool:

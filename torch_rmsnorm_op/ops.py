@@ -37,15 +37,25 @@ time, as in eager mode.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 from torch import Tensor
 
-from torch_rmsnorm_op import _torch_compat, dispatch, launch, reference
+from torch_rmsnorm_op import _torch_compat, dispatch, reference
 from torch_rmsnorm_op.contract import check_add_args, check_backward_args, check_forward_args
 from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 from torch_rmsnorm_op.layout import row_stride
+
+
+@functools.cache
+def _launch():
+    """``launch.py``, imported on first use: it imports Triton, which importing the package need not."""
+    from torch_rmsnorm_op import launch
+
+    return launch
+
 
 _LIB = torch.library.Library("rmsnorm", "DEF")  # kept alive: a collected Library unregisters its ops
 _FWD_KEYWORDS = "*, float weight_offset=0.0, ScalarType? norm_dtype=None, ScalarType? out_dtype=None"
@@ -88,8 +98,8 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
     if n == 0:  # nothing to normalize; the mean of an empty row is NaN, as in torch
         return y, None if h is None else h.copy_(x + residual), rstd.fill_(math.nan)
     w = None if weight is None else weight.contiguous()
-    if traced or plan.launcher is None or not launch.replay_forward(plan, x, w, eps, y, rstd, residual, h):
-        launch.forward(plan, x, w, eps, y, rstd, residual, h, traced=traced)
+    if traced or plan.launcher is None or not _launch().replay_forward(plan, x, w, eps, y, rstd, residual, h):
+        _launch().forward(plan, x, w, eps, y, rstd, residual, h, traced=traced)
     return y, h, rstd
 
 
@@ -134,7 +144,7 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
         dy = dy.contiguous()
     if dresidual_out is not None and row_stride(dresidual_out) is None:
         dresidual_out = dresidual_out.contiguous()
-    launch.backward(plan, dy, x, None if weight is None else weight.contiguous(), rstd.contiguous(), dx, dweight,
+    _launch().backward(plan, dy, x, None if weight is None else weight.contiguous(), rstd.contiguous(), dx, dweight,
                     dresidual_out, traced=traced)
     return dx, dweight
 
@@ -221,7 +231,7 @@ def _decomposition(name: str):
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
         if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
             return NotImplemented
-        launch.register_kernels_for_tracing(f"rmsnorm::{name}")
+        _launch().register_kernels_for_tracing(f"rmsnorm::{name}")
         with mode:
             return impl(*args, **kwargs, traced=True)
 

@@ -67,16 +67,17 @@ class Semantics:
     weight's dtype when that is fp16/bf16). ``output``: the result's dtype (``"input"``: x's;
     ``"promote"``: ``promote_types(weight, x)``; ``"half_weight"``: the weight's when fp16/bf16,
     else ``promote_types(weight, x, float32)``). The weight enters as ``weight + weight_offset``,
-    added in fp32."""
+    added in fp32; the offset is an int (the families' offsets are), which ``torch.compile``
+    keeps as a constant where it would make a float an input of the graph."""
 
     name: str
     formula: str
-    weight_offset: float = 0.0
+    weight_offset: int = 0
     norm_rounding: Literal["none", "input", "half_weight"] = "none"
     output: Literal["input", "promote", "half_weight"] = "input"
 
     def kwargs(self, x_dtype: torch.dtype, weight_dtype: torch.dtype | None
-               ) -> tuple[float, torch.dtype | None, torch.dtype | None]:
+               ) -> tuple[int, torch.dtype | None, torch.dtype | None]:
         """``(weight_offset, norm_dtype, out_dtype)`` for ``rms_norm`` on x of ``x_dtype``; None
         where the argument's default already means it (a rounding to the computation dtype is
         no rounding), so the common cases keep the default kernel path."""
@@ -121,7 +122,7 @@ TORCH = Semantics("torch", "(n * w).to(x.dtype): normalize and scale in fp32, ro
 LLAMA = Semantics("llama", "w * n.to(x.dtype): round, then scale; output in promote(w, x)",
                   norm_rounding="input", output="promote")
 GEMMA = Semantics("gemma", "(n * (1 + w.float())).type_as(x): offset weight in fp32, round once",
-                  weight_offset=1.0)
+                  weight_offset=1)
 T5 = Semantics("t5", "w * n.to(w.dtype) for a fp16/bf16 weight, else w * n in fp32",
                norm_rounding="half_weight", output="half_weight")
 # In order of preference: where several agree on every probe (a module without weight, or

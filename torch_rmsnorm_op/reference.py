@@ -89,7 +89,7 @@ def rms_norm_reference(
     if norm_dtype is not None:
         y = y.to(norm_dtype).to(ctype)
     if weight is not None:
-        y = y * (weight + weight_offset) if weight_offset else y * weight
+        y = y * (weight.to(ctype) + weight_offset) if weight_offset else y * weight
     return y.to(out_dtype or input.dtype)
 
 
