@@ -66,8 +66,9 @@ def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     out = [KernelConfig(block, tile // block, warps, 1, pps)
            for tile, warps, pps in itertools.product((4096, 8192, 16384), (8, 16), (1, 2, 4))
            if tile >= block and warps * 32 * 4 <= tile]
-    out += [dataclasses.replace(cfg, counted_loop=not cfg.counted_loop), dataclasses.replace(cfg, reload=True),
-            dataclasses.replace(cfg, stages=2)]
+    if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
+        out += [dataclasses.replace(cfg, counted_loop=not cfg.counted_loop), dataclasses.replace(cfg, reload=True),
+                dataclasses.replace(cfg, stages=2)]
     return out
 
 
@@ -190,7 +191,8 @@ def inductor_us(job: Job, sets: Sets) -> float:
     if not job.backward:
         with torch.no_grad():
             return gpu_us(lambda i: compiled(items[i]["x"], items[i]["r"], items[i]["w"]), len(items))
-    leaves = [dict(x=it["x"].detach().requires_grad_(), r=None if it["r"] is None else it["r"].detach().requires_grad_(),
+    leaves = [dict(x=it["x"].detach().requires_grad_(),
+                   r=None if it["r"] is None else it["r"].detach().requires_grad_(),
                    w=it["w"].detach().requires_grad_()) for it in items]
 
     def step(i):

@@ -112,6 +112,21 @@ def test_integer_input_raises_not_implemented(device):
         T.rms_norm(torch.ones(2, 3, device=device), (3.0,))
 
 
+@pytest.mark.parametrize("eps", ["1e-6", [1e-6], object()])
+def test_eps_of_another_type_raises_like_torch(device, eps):
+    """``F.rms_norm`` refuses an eps that is not a number (``TypeError: ... must be float``)."""
+    x = torch.randn(3, 8, device=device)
+    for f in (T.rms_norm, torch.nn.functional.rms_norm):
+        with pytest.raises(TypeError, match="eps"):
+            f(x, (8,), None, eps)
+
+
+@pytest.mark.parametrize("eps", [True, 1, torch.tensor(1e-6)])
+def test_eps_torch_converts_is_accepted(device, eps):
+    x = torch.randn(3, 8, device=device)
+    torch.testing.assert_close(T.rms_norm(x, (8,), None, eps), torch.nn.functional.rms_norm(x, (8,), None, eps))
+
+
 def test_op_contract_errors(device):
     x = torch.randn(4, 8, device=device)
     rstd = torch.ones(4, device=device)

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 import torch
-from tolerances import TOL, grad_tol
+from tolerances import MODEL, TOL, grad_tol
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import _triton_compat, dispatch, launch, reference
@@ -348,16 +348,30 @@ def test_gradcheck_through_the_op_in_float64():
         assert torch.autograd.gradgradcheck(lambda a, b: T.rms_norm(a, (9,), b, 1e-5), (x, w))
 
 
-def test_double_backward_on_the_kernel_path(device):
+@pytest.mark.parametrize("fused", [False, True])
+def test_double_backward_is_a_counted_fallback(device, fused):
+    """``create_graph=True``: the backward takes the differentiable reference formula, counted
+    as a fallback like any other, and refused under the "error" policy; the second-order
+    gradients are torch's."""
     x = torch.randn(4, 16, device=device, requires_grad=True)
     w = torch.randn(16, device=device, requires_grad=True)
-    (gx,) = torch.autograd.grad(T.rms_norm(x, (16,), w).pow(2).sum(), x, create_graph=True)
+    r = torch.zeros(4, 16, device=device)
+
+    def norm(a, b):
+        return T.add_rms_norm(a, r, (16,), b)[0] if fused else T.rms_norm(a, (16,), b)
+
+    op = "rmsnorm.add_bwd" if fused else "rmsnorm.bwd"
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="create_graph=True"):
+        torch.autograd.grad(norm(x, w).pow(2).sum(), x, create_graph=True)
+    with T.fallback_policy("reference"):
+        (gx,) = torch.autograd.grad(norm(x, w).pow(2).sum(), x, create_graph=True)
+    assert T.dispatch_stats()["fallback"] == {f"{op}: create_graph=True: the gradient is differentiated again": 1}
     gx.sum().backward()
     x2, w2 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     (gx2,) = torch.autograd.grad(torch.nn.functional.rms_norm(x2, (16,), w2).pow(2).sum(), x2, create_graph=True)
     gx2.sum().backward()
-    torch.testing.assert_close(x.grad.double(), x2.grad, atol=1e-4, rtol=1e-3)
-    torch.testing.assert_close(w.grad.double(), w2.grad, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(x.grad.double(), x2.grad, **MODEL[torch.float32])
+    torch.testing.assert_close(w.grad.double(), w2.grad, **MODEL[torch.float32])
 
 
 def test_backward_does_not_zero_fill_a_gradient_for_rstd(device):

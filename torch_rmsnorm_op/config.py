@@ -96,7 +96,9 @@ BWD_LADDER = (
     # N=1024: 92.0% (8 rows 92.5%, a tie; without prefetch 91.8%); do_bench: 4 programs per SM 84.5% against
     # 87.6% (bwd-loop-form.json)
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2)),
-    # N=2048 at 8192 rows: 8 rows x 8 warps, 1 program per SM 60.3% (16 warps, 2 per SM: 43.6%; sweep.json)
+    # N=2048 at 8192 rows: 8 rows x 8 warps, 1 program per SM 60.3% (16 warps, 2 per SM, the rung before: 43.6%;
+    # 4 rows x 8 warps 59.1%; sweep.json). It spills (255 registers, 104 B of stack under Triton 3.9 for sm_90a,
+    # profiling/resource_usage.py; 4 rows: 169 registers, none) and was fastest all the same.
     (2048, 16384, 8, {}),
     (4096, 16384, 16, dict(programs_per_sm=2)),  # 90.4% (counted loop 90.3%, 4 programs per SM 87.7%)
     (8192, 16384, 16, {}),  # 91.5% (counted loop 78.2%, 2 programs per SM 89.8%)

@@ -89,9 +89,11 @@ def check_functional_args(
 
 
 def check_eps(eps: object) -> None:
-    """``eps`` must be a real number (a bool, str or tensor is refused, as ``F.rms_norm`` does)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"rms_norm(): argument 'eps' must be float, not {type(eps).__name__}")
+    """``eps`` must convert to a float as ``F.rms_norm``'s argument parser converts it (a number,
+    a bool, a one-element tensor); a string, a list or another object raises its TypeError."""
+    if isinstance(eps, (int, float)) or (isinstance(eps, Tensor) and eps.numel() == 1 and not eps.is_complex()):
+        return
+    raise TypeError(f"rms_norm(): argument 'eps' must be float, not {type(eps).__name__}")
 
 
 def _check_dtype_arg(op: str, name: str, dtype: torch.dtype | None) -> None:
