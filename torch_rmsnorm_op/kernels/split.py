@@ -109,6 +109,21 @@ def _chunk_mask(row, i, offs, width, M, rows_per_group):
 
 
 @triton.jit
+def _fwd_chunk(X, R, H, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2, r_stride, h_stride,
+               LEAD_DIMS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PHASE: tl.constexpr):
+    """This program's chunk of row ``row`` as the forward normalizes it: x, or with a residual
+    the sum, stored to H as it is formed (once: not by the interpreter's reading phase)."""
+    x = tl.load(X + _row_offset(row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
+                mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * r_stride + offs, mask=mask, other=0.0)
+        x = _residual_sum(x, r, H.dtype.element_ty)
+        if PHASE != 2:
+            tl.store(H + row * h_stride + offs, x, mask=mask)
+    return x
+
+
+@triton.jit
 def _rms_norm_fwd_split(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
     R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
@@ -151,26 +166,15 @@ def _rms_norm_fwd_split(
     X, R, Y, H, W = X + start, R + start, Y + start, H + start, W + start
     offs = tl.arange(0, BLOCK_N)
     width = N - start
-    mask = _chunk_mask(row_start, 0, offs, width, M, rows_per_group)
-    x0 = tl.load(X + _row_offset(row_start, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
-                 mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r0 = tl.load(R + row_start * r_stride + offs, mask=mask, other=0.0)
-        x0 = _residual_sum(x0, r0, H.dtype.element_ty)
-        if PHASE != 2:
-            tl.store(H + row_start * h_stride + offs, x0, mask=mask)
+    x0 = _fwd_chunk(X, R, H, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs, x_size1,
+                    x_size2, x_stride0, x_stride1, x_stride2, r_stride, h_stride, LEAD_DIMS, HAS_RESIDUAL, PHASE)
     _publish(_sum_sq(x0), SLOTS + row_start * SPLIT, chunk, PHASE)
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = row_start + i * step
         next_row = row + step
-        mask = _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group)
-        x1 = tl.load(X + _row_offset(next_row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
-                     mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r1 = tl.load(R + next_row * r_stride + offs, mask=mask, other=0.0)
-            x1 = _residual_sum(x1, r1, H.dtype.element_ty)
-            if PHASE != 2:
-                tl.store(H + next_row * h_stride + offs, x1, mask=mask)
+        x1 = _fwd_chunk(X, R, H, next_row, _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group), offs,
+                        x_size1, x_size2, x_stride0, x_stride1, x_stride2, r_stride, h_stride, LEAD_DIMS,
+                        HAS_RESIDUAL, PHASE)
         # published within the group's rows only (past them: another group's row or no slot)
         sum_sq = _exchange(_sum_sq(x1), i + 1 < rows_per_group, SLOTS, row, next_row, chunk, SPLIT, PHASE)
         if PHASE != 1:
@@ -185,6 +189,16 @@ def _rms_norm_fwd_split(
             if STORE_RSTD:
                 tl.store(RSTD + row, rstd, mask=(chunk == 0) & (row < M))
         x0 = x1
+
+
+@triton.jit
+def _bwd_chunks(X, DY, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride,
+                LEAD_DIMS: tl.constexpr):
+    """This program's chunks of x and dy in row ``row``, in their own dtypes."""
+    x = tl.load(X + _row_offset(row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
+                mask=mask, other=0.0)
+    dy = tl.load(DY + row * dy_stride + offs, mask=mask, other=0.0)
+    return x, dy
 
 
 @triton.jit
@@ -233,10 +247,8 @@ def _rms_norm_bwd_split(
     offs = tl.arange(0, BLOCK_N)
     width = N - start  # of this chunk, may exceed BLOCK_N
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    mask = _chunk_mask(row_start, 0, offs, width, M, rows_per_group)
-    x0 = tl.load(X + _row_offset(row_start, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
-                 mask=mask, other=0.0)
-    dy0 = tl.load(DY + row_start * dy_stride + offs, mask=mask, other=0.0)
+    x0, dy0 = _bwd_chunks(X, DY, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs,
+                          x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS)
     w = 0.0
     if HAS_WEIGHT:
         w = _weight(tl.load(W + offs, mask=offs < width, other=0.0), WEIGHT_OFFSET)
@@ -244,10 +256,8 @@ def _rms_norm_bwd_split(
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = row_start + i * step
         next_row = row + step
-        mask = _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group)
-        x1 = tl.load(X + _row_offset(next_row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
-                     mask=mask, other=0.0)
-        dy1 = tl.load(DY + next_row * dy_stride + offs, mask=mask, other=0.0)
+        x1, dy1 = _bwd_chunks(X, DY, next_row, _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group), offs,
+                              x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS)
         # published within the group's rows only (past them: another group's row or no slot)
         dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, next_row, chunk,
                         SPLIT, PHASE)
