@@ -227,6 +227,23 @@ def test_planned_calls_keep_the_fallback_policy(device, monkeypatch):
     torch.testing.assert_close(y64, torch.nn.functional.rms_norm(x.double(), (64,), w[::2].double()))
 
 
+def test_plans_are_kept_apart_by_what_a_kept_launch_was_compiled_for(device, monkeypatch):
+    """A kept launch is compiled for its tensors' dtypes: calls that differ in y's dtype, the
+    weight's, the residual's or whether rstd is stored do not share a plan."""
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    x, w = torch.randn(8, 64, device=device, dtype=torch.bfloat16), torch.randn(64, device=device)
+    plans = [dispatch.forward_plan(x, w), dispatch.forward_plan(x, w, out_dtype=torch.float32),
+             dispatch.forward_plan(x, w.bfloat16()), dispatch.forward_plan(x, w, store_rstd=False),
+             dispatch.forward_plan(x, w, torch.randn_like(x)), dispatch.forward_plan(x, w, torch.randn_like(x).float())]
+    assert len({id(p) for p in plans}) == len(plans)
+    assert dispatch.forward_plan(x, w) is plans[0]
+    for out_dtype in (torch.float32, None, torch.float32):
+        y = T.rms_norm(x, (64,), w, 1e-6, out_dtype=out_dtype)
+        assert y.dtype == (out_dtype or x.dtype)
+        torch.testing.assert_close(y.float(), torch.nn.functional.rms_norm(x.float(), (64,), w, 1e-6),
+                                   **TOL[torch.bfloat16])
+
+
 @pytest.mark.cuda
 def test_launch_hooks_see_compiled_launches():
     """With a Triton launch hook registered (as a profiler does), a launch of an already

@@ -118,10 +118,10 @@ def _is_concrete(x: Tensor) -> bool:
 
 def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = None, *,
                  norm_dtype: torch.dtype | None = None, weight_offset: float = 0.0,
-                 store_rstd: bool = True) -> Plan | str:
-    """The plan for the forward of ``x`` [..., N] (N >= 1; with ``residual``, of their sum), or
-    why the kernels do not serve it. ``residual`` must have single-stride rows (callers copy
-    it otherwise)."""
+                 store_rstd: bool = True, out_dtype: torch.dtype | None = None) -> Plan | str:
+    """The plan for the forward of ``x`` [..., N] (N >= 1; with ``residual``, of their sum)
+    into a y of ``out_dtype`` (default: the sum's dtype), or why the kernels do not serve it.
+    ``residual`` must have single-stride rows (callers copy it otherwise)."""
     def make() -> Plan | str:
         dtypes = (x.dtype, None if weight is None else weight.dtype, None if residual is None else residual.dtype)
         reason = _reason(x, dtypes)
@@ -140,7 +140,7 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
         return make()
     key = ("fwd", x.device, x.dtype, x.shape, x.stride(), None if weight is None else weight.dtype,
            None if residual is None else (residual.dtype, row_stride(residual)), norm_dtype, weight_offset,
-           store_rstd)
+           store_rstd, out_dtype)  # a kept launch was compiled for y's dtype
     return _cached(key, make)
 
 

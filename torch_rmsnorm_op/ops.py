@@ -85,7 +85,7 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
     plan = None
     if n > 0:
         plan = dispatch.forward_plan(x, weight, residual, norm_dtype=norm_dtype, weight_offset=weight_offset,
-                                     store_rstd=want_rstd)
+                                     store_rstd=want_rstd, out_dtype=out_dtype)
         if type(plan) is str:
             record_fallback(op, plan, compiled=traced)
             return _reference_forward(op, x, weight, eps, weight_offset, norm_dtype, out_dtype, residual, traced)
