@@ -3,16 +3,14 @@
 
 import pytest
 import torch
+from tolerances import few_roundings
 
 import torch_rmsnorm_op as T
 
 # What a batched computation is compared with: the same op per sample. dx comes from the same
 # kernel over the same rows; the per-sample dweight is a torch sum against the kernel's own,
 # one rounding apart (bf16: one unit in the last place).
-TOL = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.bfloat16: {"atol": 1e-2, "rtol": 1.6e-2},
-}
+BATCHED = {dtype: few_roundings(dtype) for dtype in (torch.float32, torch.bfloat16)}
 N = 24  # not a power of 2
 
 
@@ -38,7 +36,7 @@ def test_is_grads_batched_matches_per_sample_grads_with_one_kernel_call(device, 
         want = _per_sample_grads(y, inputs, [v])
     for name, g, e in zip(("dx", "dweight"), got, want):
         assert g.shape == e.shape and g.dtype == e.dtype, name
-        torch.testing.assert_close(g, e, **TOL[dtype], msg=name)
+        torch.testing.assert_close(g, e, **BATCHED[dtype], msg=name)
 
 
 def test_is_grads_batched_through_add_rms_norm(device):
@@ -50,7 +48,7 @@ def test_is_grads_batched_through_add_rms_norm(device):
     got = torch.autograd.grad((y, s), (x, r, w), (vy, vs), retain_graph=True, is_grads_batched=True)
     want = _per_sample_grads((y, s), (x, r, w), [vy, vs])
     for name, g, e in zip(("dx", "dresidual", "dweight"), got, want):
-        torch.testing.assert_close(g, e, **TOL[torch.float32], msg=name)
+        torch.testing.assert_close(g, e, **BATCHED[torch.float32], msg=name)
 
 
 def test_vectorized_jacobian_matches_the_loop(device):
@@ -65,7 +63,7 @@ def test_vectorized_jacobian_matches_the_loop(device):
         looped = torch.autograd.functional.jacobian(f, (x, w))
     for name, a, b in zip(("d/dx", "d/dweight"), vectorized, looped):
         assert a.shape == b.shape, name
-        torch.testing.assert_close(a, b, **TOL[torch.float32], msg=name)
+        torch.testing.assert_close(a, b, **BATCHED[torch.float32], msg=name)
 
 
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
@@ -128,7 +126,7 @@ def test_vmap_rms_norm_over_any_dim(device, in_dim):
     with T.fallback_policy("error"):
         got = torch.vmap(lambda a: T.rms_norm(a, (N,), w), in_dims=in_dim, out_dims=in_dim)(x)
     want = torch.stack([T.rms_norm(base[b], (N,), w) for b in range(4)]).movedim(0, in_dim)
-    torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(got, want, **BATCHED[torch.float32])
 
 
 def test_vmap_nested_and_empty_batches(device):
@@ -137,7 +135,7 @@ def test_vmap_nested_and_empty_batches(device):
     with T.fallback_policy("error"):
         got = torch.vmap(torch.vmap(lambda a: T.rms_norm(a, (N,), w), in_dims=1), in_dims=2)(x)
         empty = torch.vmap(lambda a: T.rms_norm(a, (N,), w))(x[:0])
-    torch.testing.assert_close(got, T.rms_norm(x, (N,), w).permute(2, 1, 0, 3), **TOL[torch.float32])
+    torch.testing.assert_close(got, T.rms_norm(x, (N,), w).permute(2, 1, 0, 3), **BATCHED[torch.float32])
     assert empty.shape == (0, 3, 4, N)
 
 
@@ -148,11 +146,11 @@ def test_vmap_passes_the_keyword_arguments(device):
     got = torch.vmap(lambda a: T.rms_norm(a, (N,), w, **kw), in_dims=1)(x)
     want = torch.stack([T.rms_norm(x[:, b], (N,), w, **kw) for b in range(2)])
     assert got.dtype == torch.float32
-    torch.testing.assert_close(got, want, **TOL[torch.bfloat16])  # rounded to bf16 before the weight
+    torch.testing.assert_close(got, want, **BATCHED[torch.bfloat16])  # rounded to bf16 before the weight
     y, s = torch.vmap(lambda a, r: T.add_rms_norm(a, r, (N,), w, **kw), in_dims=(1, None))(x, x[:, 0])
     for b in range(2):
         yb, sb = T.add_rms_norm(x[:, b], x[:, 0], (N,), w, **kw)
-        torch.testing.assert_close((y[b], s[b]), (yb, sb), **TOL[torch.bfloat16])
+        torch.testing.assert_close((y[b], s[b]), (yb, sb), **BATCHED[torch.bfloat16])
 
 
 @pytest.mark.parametrize("op", ["bwd", "add_bwd"])
@@ -186,8 +184,8 @@ def test_vmap_backward_ops_give_per_sample_dweight(device, op, batched):
         pick = {k: (v[b] if k in names else v) for k, v in args.items()}
         r = rstd[b] if "x" in names else rstd
         want_dx, want_dw = call(pick["dy"], pick["x"], pick["weight"], r)
-        torch.testing.assert_close(dx[b], want_dx, **TOL[torch.float32], msg=f"dx[{b}]")
-        torch.testing.assert_close(dw[b], want_dw, **TOL[torch.float32], msg=f"dweight[{b}]")
+        torch.testing.assert_close(dx[b], want_dx, **BATCHED[torch.float32], msg=f"dx[{b}]")
+        torch.testing.assert_close(dw[b], want_dw, **BATCHED[torch.float32], msg=f"dweight[{b}]")
 
 
 def test_vmap_per_sample_weights_forward_and_the_policy(device):
@@ -200,7 +198,7 @@ def test_vmap_per_sample_weights_forward_and_the_policy(device):
     with T.fallback_policy("reference"):
         got = torch.vmap(f)(x, ws)
         assert T.dispatch_stats()["fallback"] == {"rmsnorm.fwd: per-sample weights under vmap": 1}
-    torch.testing.assert_close(got, torch.stack([f(x[b], ws[b]) for b in range(3)]), **TOL[torch.float32])
+    torch.testing.assert_close(got, torch.stack([f(x[b], ws[b]) for b in range(3)]), **BATCHED[torch.float32])
     with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="per-sample weights under vmap"):
         torch.vmap(f)(x, ws)
     with pytest.raises(T.RMSNormInputError, match=r"rmsnorm.fwd: weight must have shape \[N\] = \[24\]"):
@@ -216,4 +214,4 @@ def test_backward_of_a_vmapped_forward(device):
         got = torch.autograd.grad(y, (x, w), g)
         want = torch.autograd.grad(T.rms_norm(x, (N,), w), (x, w), g)
     for g_, e in zip(got, want):
-        torch.testing.assert_close(g_, e, **TOL[torch.float32])
+        torch.testing.assert_close(g_, e, **BATCHED[torch.float32])

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from tolerances import MODEL, SAME_OPS_FP32, few_roundings
 from torch import nn
 
 import torch_rmsnorm_op as T
@@ -19,9 +20,9 @@ from torch_rmsnorm_op.patch import PatchedRMSNorm
 transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
 
 # fp32 on CPU: the kernels reduce in another order than the modules, so outputs agree to a few
-# units of fp32 and gradients (summed over rows and through the layers) a little less.
-OUTPUT_TOL = dict(atol=1e-5, rtol=1e-5)
-GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+# units of fp32 and gradients (summed over rows and through the layers) as a whole model's.
+OUTPUT_TOL = few_roundings(torch.float32)
+GRAD_TOL = MODEL[torch.float32]
 
 SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
@@ -199,14 +200,13 @@ def assert_computes_like(original, patched, x):
     semantics, computed by the reference, agrees on all but a few elements."""
     want, got = original(x), patched(x)
     assert got.dtype == want.dtype and got.shape == want.shape
-    unit = torch.finfo(want.dtype).eps if want.dtype != torch.float32 else 1e-5
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=unit)
+    torch.testing.assert_close(got, want, **few_roundings(want.dtype))
     shape = patched.normalized_shape or (x.shape[-1],)
     ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
     if want.dtype == torch.float32:
-        torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ref, want, **SAME_OPS_FP32)
     else:
-        torch.testing.assert_close(ref, want, atol=1e-5, rtol=unit)
+        torch.testing.assert_close(ref, want, **few_roundings(want.dtype))
         assert (ref != want).float().mean().item() <= 0.05
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from tolerances import TOL, grad_tol
 from torch import nn
 
 import torch_rmsnorm_op as T
@@ -22,13 +23,6 @@ OPINFO_CASES = [
     ((0, 1), (1,), {}),
     ((4, 3, 33), (33,), {"eps": 1e-5}),
 ]
-TOL = {
-    torch.float32: dict(atol=1e-5, rtol=1e-4),
-    torch.float64: dict(atol=1e-12, rtol=1e-10),
-    torch.float16: dict(atol=3e-3, rtol=3e-3),
-    torch.bfloat16: dict(atol=2**-6, rtol=2**-6),
-    torch.complex64: dict(atol=1e-5, rtol=1e-4),
-}
 
 
 @pytest.mark.parametrize("dtype", list(TOL), ids=str)
@@ -51,7 +45,7 @@ def test_matches_torch(device, dtype, with_weight, shape, normalized_shape, kwar
         grads_ref = torch.autograd.grad(y_ref, copies, dy)
         for a, b in zip(grads, grads_ref):
             assert a.dtype == b.dtype
-            torch.testing.assert_close(a, b, **{k: 4 * v for k, v in TOL[dtype].items()}, equal_nan=True)
+            torch.testing.assert_close(a, b, **grad_tol(dtype), equal_nan=True)
     if dtype in (torch.float32, torch.float16, torch.bfloat16):
         assert not any(k.startswith("rmsnorm.fwd") for k in T.dispatch_stats()["fallback"])
 
@@ -66,14 +60,14 @@ def test_mixed_weight_dtypes(device, x_dtype, w_dtype):
         y = T.rms_norm(x, (16,), w)
     y_ref = F.rms_norm(x, (16,), w)
     assert y.dtype == y_ref.dtype == x_dtype
-    torch.testing.assert_close(y, y_ref, atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(y, y_ref, **TOL[x_dtype])
 
 
 def test_eps_none_and_multi_dim_weight_layouts(device):
     x = torch.randn(2, 3, 4, 5, device=device, dtype=torch.bfloat16) * 1e-3
     w = torch.randn(5, 4, device=device, dtype=torch.bfloat16).t()  # non-contiguous weight
-    torch.testing.assert_close(T.rms_norm(x, (4, 5), w), F.rms_norm(x, (4, 5), w), atol=2**-6, rtol=2**-6)
-    torch.testing.assert_close(T.rms_norm(x, [5]), F.rms_norm(x, [5]), atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(T.rms_norm(x, (4, 5), w), F.rms_norm(x, (4, 5), w), **TOL[torch.bfloat16])
+    torch.testing.assert_close(T.rms_norm(x, [5]), F.rms_norm(x, [5]), **TOL[torch.bfloat16])
 
 
 # PyTorch's error inputs for rms_norm, with the regexes its OpInfo tests match.
@@ -164,12 +158,12 @@ def test_module_is_a_drop_in(device):
         ref.weight.copy_(torch.randn(3, 8))
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(2, 5, 3, 8, device=device)
-    torch.testing.assert_close(ours(x), ref(x), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours(x), ref(x), **TOL[torch.float32])
     bare_ref, bare = nn.RMSNorm(8, elementwise_affine=False), T.RMSNorm(8, elementwise_affine=False)
     assert bare.weight is None and list(bare.state_dict()) == list(bare_ref.state_dict()) == []
     x = torch.randn(4, 8)
     with T.fallback_policy("reference"):
-        torch.testing.assert_close(bare.to(device)(x.to(device)).cpu(), bare_ref(x), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(bare.to(device)(x.to(device)).cpu(), bare_ref(x), **TOL[torch.float32])
 
 
 def test_forward_mode_ad_is_served_not_dropped(device):
@@ -182,7 +176,7 @@ def test_forward_mode_ad_is_served_not_dropped(device):
         y_ref = F.rms_norm(fwAD.make_dual(x, tx), (8,), fwAD.make_dual(w, tw))
         tangent, tangent_ref = fwAD.unpack_dual(y).tangent, fwAD.unpack_dual(y_ref).tangent
     assert tangent is not None
-    torch.testing.assert_close(tangent, tangent_ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(tangent, tangent_ref, **TOL[torch.float32])
     assert "rms_norm: forward-mode AD" in T.dispatch_stats()["fallback"]
 
 
@@ -192,21 +186,21 @@ def test_torch_func_transforms(device):
         g = torch.func.grad(lambda a: T.rms_norm(a, (8,), w).pow(2).sum())(x)
         jac = torch.func.jacrev(lambda a: T.rms_norm(a, (8,), w))(x[0, 0])
     g_ref = torch.func.grad(lambda a: F.rms_norm(a, (8,), w).pow(2).sum())(x)
-    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(jac, torch.func.jacrev(lambda a: F.rms_norm(a, (8,), w))(x[0, 0]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(g, g_ref, **TOL[torch.float32])
+    torch.testing.assert_close(jac, torch.func.jacrev(lambda a: F.rms_norm(a, (8,), w))(x[0, 0]), **TOL[torch.float32])
     T.reset_dispatch_stats()
     with T.fallback_policy("error"):  # vmap stays on the kernels
         out = torch.func.vmap(lambda a: T.rms_norm(a, (8,), w))(x)
-    torch.testing.assert_close(out, F.rms_norm(x, (8,), w), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, F.rms_norm(x, (8,), w), **TOL[torch.float32])
     assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 1}  # one call for the whole batch
     ws = torch.randn(4, 8, device=device)  # per-sample weights: a counted fallback, never silent
     with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="per-sample weights under vmap"):
         torch.func.vmap(lambda a, b: T.rms_norm(a, (8,), b))(x, ws)
     T.set_fallback_policy("reference")
     out = torch.func.vmap(lambda a, b: T.rms_norm(a, (8,), b))(x, ws)
-    torch.testing.assert_close(out, F.rms_norm(x, (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, F.rms_norm(x, (8,), None) * ws[:, None, :], **TOL[torch.float32])
     out = torch.func.vmap(lambda a: T.rms_norm(x[0], (8,), a))(ws)  # only the weight batched
-    torch.testing.assert_close(out, F.rms_norm(x[0], (8,), None) * ws[:, None, :], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out, F.rms_norm(x[0], (8,), None) * ws[:, None, :], **TOL[torch.float32])
 
 
 def test_module_info_inputs_of_nn_rmsnorm(device):
@@ -224,13 +218,12 @@ def test_module_info_inputs_of_nn_rmsnorm(device):
             with T.fallback_policy("reference"):
                 y = ours(x2)
             y_ref = ref(x)
-            tol = TOL[dtype]
-            torch.testing.assert_close(y, y_ref, **tol, msg=sample.desc)
+            torch.testing.assert_close(y, y_ref, **TOL[dtype], msg=sample.desc)
             if y.numel():
                 dy = torch.randn_like(y)
                 for a, b in zip(torch.autograd.grad(y, [x2, *ours.parameters()], dy),
                                 torch.autograd.grad(y_ref, [x, *ref.parameters()], dy)):
-                    torch.testing.assert_close(a, b, **{k: 4 * v for k, v in tol.items()}, msg=sample.desc)
+                    torch.testing.assert_close(a, b, **grad_tol(dtype), msg=sample.desc)
 
 
 @pytest.mark.cuda
@@ -243,8 +236,7 @@ def test_cuda_autocast_matches_torch():
     assert h.dtype == torch.bfloat16 and y.dtype == y_ref.dtype, (y.dtype, y_ref.dtype)
     if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", "AutocastCUDA"):
         assert y.dtype == torch.float32  # aten's rms_norm is on this torch's CUDA fp32 list
-    tol = dict(atol=1e-5, rtol=1e-4) if y.dtype == torch.float32 else dict(atol=2**-6, rtol=2**-6)
-    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(y, y_ref, **TOL[y.dtype])
     y.sum().backward()
     assert x.grad is not None and w.grad is not None
 
@@ -256,7 +248,7 @@ def test_cpu_autocast_matches_torch():
         h = x @ torch.eye(64)
         y, y_ref = T.rms_norm(h, (64,), w), F.rms_norm(h, (64,), w)
     assert y.dtype == y_ref.dtype
-    torch.testing.assert_close(y, y_ref, atol=2**-6, rtol=2**-6)
+    torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])
 
 
 def _dispatched(monkeypatch) -> list:
@@ -309,16 +301,16 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
     x, w = torch.randn(6, 40, device=device), torch.randn(40, device=device)
     want = torch.ops.rmsnorm.fwd(x, w, 1e-6)[0]
     calls = _dispatched(monkeypatch)
-    torch.testing.assert_close(T.rms_norm(x, (40,), w, 1e-6), want, atol=0, rtol=0)
+    assert torch.equal(T.rms_norm(x, (40,), w, 1e-6), want)
     with torch.no_grad():
         y = T.rms_norm(x.detach().requires_grad_(), (40,), nn.Parameter(w), 1e-6)
-    torch.testing.assert_close(y, want, atol=0, rtol=0)
+    assert torch.equal(y, want)
     assert calls == [False, False]
     with DISPATCHING[case](x, w):
         y = T.rms_norm(x, (40,), w, 1e-6)
     assert calls[2:] == [True], case
     if y.dtype == want.dtype:
-        torch.testing.assert_close(y.detach(), want, atol=0, rtol=0)
+        assert torch.equal(y.detach(), want)
 
 
 def test_profiler_sees_the_direct_call_as_the_op(device, monkeypatch):
@@ -330,7 +322,7 @@ def test_profiler_sees_the_direct_call_as_the_op(device, monkeypatch):
     with torch.profiler.profile() as prof:
         y = T.rms_norm(x, (40,), w, 1e-6)
     assert calls == [False]
-    torch.testing.assert_close(y, want, atol=0, rtol=0)
+    assert torch.equal(y, want)
     names = [e.name for e in prof.events()]
     assert "rmsnorm::fwd" in names, names
     if device.type == "cuda":

@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from tolerances import MODEL, NORM_FP32, SAME_OPS_FP32, TOL, few_roundings
 from torch import nn
 
 import torch_rmsnorm_op as T
@@ -166,7 +167,7 @@ def test_swaps_torch_and_llama_style_keeps_parameters(device):
     T.reset_dispatch_stats()
     got = model(tokens)
     assert T.dispatch_stats()["kernel"]["rmsnorm.fwd"] == 5
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, **MODEL[torch.float32])
     got.sum().backward()
     optimizer.step()  # the optimizer built before the patch updates the live parameters
 
@@ -268,7 +269,7 @@ def test_weightless_module_normalizes_any_last_dim(device):
     assert report.swapped == [("0", "WeightlessRMSNorm", "torch")] and model[0].normalized_shape is None
     for n in (24, 48):
         x = torch.randn(3, n, device=device)
-        torch.testing.assert_close(model[0](x), WeightlessRMSNorm()(x), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(model[0](x), WeightlessRMSNorm()(x), **NORM_FP32)
 
 
 # (semantics, x dtype, weight dtype) -> rms_norm's (weight_offset, norm_dtype, out_dtype); None = the default.
@@ -296,15 +297,14 @@ def assert_computes_like(original, patched, x):
     elements: an extra or missing rounding would move about a quarter of the bf16 ones."""
     want, got = original(x), patched(x)
     assert got.dtype == want.dtype and got.shape == want.shape
-    unit = torch.finfo(want.dtype).eps if want.dtype != torch.float32 else 1e-5
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=unit)
+    torch.testing.assert_close(got, want, **few_roundings(want.dtype))
     shape = patched.normalized_shape or (x.shape[-1],)
     ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
     assert ref.dtype == want.dtype
     if want.dtype == torch.float32:
-        torch.testing.assert_close(ref, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ref, want, **SAME_OPS_FP32)
     else:
-        torch.testing.assert_close(ref, want, atol=1e-5, rtol=unit)
+        torch.testing.assert_close(ref, want, **few_roundings(want.dtype))
         assert (ref != want).float().mean().item() <= 0.05
 
 
@@ -340,7 +340,7 @@ def test_multi_dim_and_no_weight(device, shape):
     model = nn.Sequential(nn.RMSNorm(shape, elementwise_affine=False)).to(device)
     assert len(T.patch_rmsnorm(model).swapped) == 1
     x = torch.randn(3, *shape, device=device)
-    torch.testing.assert_close(model(x), nn.functional.rms_norm(x, shape), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(model(x), nn.functional.rms_norm(x, shape), **TOL[torch.float32])
 
 
 def test_meta_parameters_are_skipped():
@@ -367,7 +367,7 @@ def test_dynamic_hidden_size_compiles_once(device):
     first = None
     for n in (8, 16, 24):
         x = torch.randn(3, n, device=device)
-        torch.testing.assert_close(f(x), nn.functional.rms_norm(x, (n,)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(f(x), nn.functional.rms_norm(x, (n,)), **TOL[torch.float32])
         first = first or counter.frame_count
     assert counter.frame_count == first
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from tolerances import MODEL, few_roundings
 
 import torch_rmsnorm_op as T
 
@@ -15,8 +16,8 @@ peft = pytest.importorskip("peft", reason="peft is not installed here (pip insta
 # fp32 on CPU; the kernels reduce in another order than the modules. AdamW's first step moves
 # each element by about lr * sign(grad), so an element whose gradient is near zero could move
 # either way: the step is SGD's, whose update is lr * grad and keeps differences small.
-LOSS_TOL = dict(atol=1e-5, rtol=1e-5)
-GRAD_TOL = dict(atol=1e-4, rtol=1e-4)
+LOSS_TOL = few_roundings(torch.float32)
+GRAD_TOL = MODEL[torch.float32]
 LR = 0.5
 
 
