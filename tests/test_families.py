@@ -11,7 +11,8 @@ import re
 
 import pytest
 import torch
-from tolerances import MODEL, SAME_OPS_FP32, few_roundings
+from checks import assert_computes_like
+from tolerances import MODEL, few_roundings
 from torch import nn
 
 import torch_rmsnorm_op as T
@@ -193,21 +194,6 @@ def _instantiate(cls):
         elif p.default is inspect.Parameter.empty:
             pytest.skip(f"{cls.__name__}.__init__ needs {p.name!r}: built only from a config")
     return cls(**kwargs)
-
-
-def assert_computes_like(original, patched, x):
-    """As in test_patch: same dtype, within one unit in the last place of it; the chosen
-    semantics, computed by the reference, agrees on all but a few elements."""
-    want, got = original(x), patched(x)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, **few_roundings(want.dtype))
-    shape = patched.normalized_shape or (x.shape[-1],)
-    ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
-    if want.dtype == torch.float32:
-        torch.testing.assert_close(ref, want, **SAME_OPS_FP32)
-    else:
-        torch.testing.assert_close(ref, want, **few_roundings(want.dtype))
-        assert (ref != want).float().mean().item() <= 0.05
 
 
 @pytest.mark.parametrize("module_name, class_name, copies", _survey_cases())

@@ -146,7 +146,7 @@ def test_layers_decide_per_class(device, mark, fresh_probes):
         if semantics is None:
             assert torch.equal(y, want)
             continue
-        # within one bf16 unit (the interpreter rounds toward zero); the semantics chosen, by
+        # within one bf16 unit (the kernels sum a row in another order); the semantics chosen, by
         # the reference, agrees on all but a few elements (a wrong rounding moves a quarter)
         torch.testing.assert_close(y, want, **few_roundings(want.dtype))
         ref = semantics.reference(x, (64,), module.weight, module.variance_epsilon if semantics is TORCH

@@ -5,7 +5,8 @@ import copy
 
 import pytest
 import torch
-from tolerances import MODEL, NORM_FP32, SAME_OPS_FP32, TOL, few_roundings
+from checks import assert_computes_like
+from tolerances import MODEL, NORM_FP32, TOL
 from torch import nn
 
 import torch_rmsnorm_op as T
@@ -287,25 +288,6 @@ KWARGS = [
 @pytest.mark.parametrize("semantics, x_dtype, w_dtype, want", KWARGS)
 def test_semantics_kwargs(semantics, x_dtype, w_dtype, want):
     assert semantics.kwargs(x_dtype, w_dtype) == want
-
-
-def assert_computes_like(original, patched, x):
-    """``patched`` (swapped for ``original``) computes what ``original`` computes on ``x``. Its
-    output has the same dtype and lies within one unit in the last place: the kernels reduce
-    in another order, and the Triton interpreter rounds fp32 to bf16 toward zero. The
-    semantics it was given, computed by the PyTorch reference, agrees on all but a few
-    elements: an extra or missing rounding would move about a quarter of the bf16 ones."""
-    want, got = original(x), patched(x)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    torch.testing.assert_close(got, want, **few_roundings(want.dtype))
-    shape = patched.normalized_shape or (x.shape[-1],)
-    ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
-    assert ref.dtype == want.dtype
-    if want.dtype == torch.float32:
-        torch.testing.assert_close(ref, want, **SAME_OPS_FP32)
-    else:
-        torch.testing.assert_close(ref, want, **few_roundings(want.dtype))
-        assert (ref != want).float().mean().item() <= 0.05
 
 
 @pytest.mark.parametrize("cls", [LlamaStyleRMSNorm, Olmo2StyleRMSNorm, GemmaStyleRMSNorm, T5StyleLayerNorm])
