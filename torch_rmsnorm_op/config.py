@@ -74,7 +74,7 @@ FWD_LADDER_FP32 = (
 )
 # Forward beyond the ladder, split mode: (max N, columns per program, warps, options).
 # A persistent grid; at row i a program publishes its group's next row's partial, then waits for
-# row i's total, its loads prefetched one row ahead into shared memory (stages 2; kernels.py).
+# row i's total, its loads prefetched one row ahead into shared memory (stages 2; kernels/split.py).
 # Groups walk interleaved rows (interleave: group g rows g, g + groups, ...), so that at any time
 # they work on neighbouring rows, as a grid of one row per program does: against blocks of
 # consecutive rows, bf16 N=65536 87.8% (83.3%), 262144 89.2% (87.4%), fp32 65536 89.2% (85.2%;
@@ -129,7 +129,7 @@ BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
-# Backward programs merge their dweight partials in pairs (half the scratch rows; kernels.py,
+# Backward programs merge their dweight partials in pairs (half the scratch rows; kernels/common.py,
 # _merge_partial) when the unmerged scratch (groups x N fp32) would exceed both of these: a
 # size (below it the merge's memset and wait cost more than the memory: 128x257 fwd+bwd 6.7
 # -> 9.7 us, dweight-unmerged-bench.md against dweight-merge-everywhere-bench.md) and a share of dx
