@@ -11,7 +11,9 @@ enough sets that none is read from L2. Candidates compile in parallel worker pro
 Passes: ``fwd`` and ``bwd`` (the backward alone), ``add_fwd`` / ``add_bwd`` (with the residual
 add fused). ``pct`` is the byte floor (fwd: read x, write y; add_fwd: read x and the residual,
 write y and the sum; bwd: read x and dy, write dx; add_bwd: also read the sum's gradient) over
-the time, against the copy ceiling measured in the same run.
+the time, against the copy ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
+same bytes at the same size (half read, half written; rotating like the inputs), what streaming
+alone reaches at this size, launch and tail included.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,...] [--dtype bfloat16]
 [--wdtype float32] [--inductor] [--table-only]``; writes ``DIR/<tag>.json``.
@@ -35,7 +37,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_rmsnorm_op import dispatch, launch, reference  # noqa: E402
-from torch_rmsnorm_op.config import KernelConfig, backward_config, forward_config  # noqa: E402
+from torch_rmsnorm_op.config import KernelConfig, backward_config, fit_to_rows, forward_config  # noqa: E402
 
 EPS = 1e-6
 ROTATE_BYTES = 512 * 2**20  # over 8x the H200's 60 MB L2
@@ -45,13 +47,13 @@ REAL_NS = (128, 2048, 3584, 4096, 5120, 7168, 8192)
 
 
 def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
-    """Whole rows per program (2K-16K elements, 4-16 warps, at least 8 elements per thread;
+    """Whole rows per program (512-16K elements, 1-16 warps, at least 8 elements per thread;
     without masks where N is a power of two) and the looped form (2K-4K columns per step)."""
     block = triton.next_power_of_2(n)
     exact = block == n
     out = []
-    for rows, warps in itertools.product((1, 2, 4, 8, 16, 32), (4, 8, 16)):
-        if 2048 <= rows * block <= 16384 and warps * 32 * 8 <= rows * block:
+    for rows, warps in itertools.product((1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16)):
+        if 512 <= rows * block <= 16384 and warps * 32 * 8 <= rows * block:
             out.append(KernelConfig(block, rows, warps, mask_free=exact))
     if n >= 2048:
         out += [KernelConfig(b, 1, w, looped=True, mask_free=n % b == 0) for b, w in ((2048, 8), (4096, 8), (4096, 16))
@@ -60,11 +62,11 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
 
 
 def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
-    """Row tiles of 4K-16K elements, 8 or 16 warps, 1-4 programs per SM; the table's
+    """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM; the table's
     configuration with the other loop form, a second read of x and dy, prefetching."""
     block = triton.next_power_of_2(n)
     out = [KernelConfig(block, tile // block, warps, 1, pps)
-           for tile, warps, pps in itertools.product((4096, 8192, 16384), (8, 16), (1, 2, 4))
+           for tile, warps, pps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8))
            if tile >= block and warps * 32 * 4 <= tile]
     if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
         out += [dataclasses.replace(cfg, counted_loop=not cfg.counted_loop), dataclasses.replace(cfg, reload=True),
@@ -236,6 +238,14 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
     cur = next(r for r in rows if r["table"])
     line = (f"{out['job']:>20} best {rows[0]['pct']:5.1f}% {rows[0]['us']:8.2f}us {rows[0]['cfg']}  "
             f"table {cur['pct']:5.1f}% {cur['us']:8.2f}us")
+    # A copy of the job's bytes at this size (read and write halves of the floor): what a
+    # kernel that only streams them reaches here, launch and tail included.
+    pairs = [(torch.empty(per_set // 4, device=DEVICE, dtype=torch.bfloat16).normal_(),
+              torch.empty(per_set // 4, device=DEVICE, dtype=torch.bfloat16)) for _ in range(len(sets.items))]
+    copy_us = gpu_us(lambda i: pairs[i][1].copy_(pairs[i][0]), len(pairs))
+    out["copy_us"] = copy_us
+    out["copy_pct"] = per_set / (copy_us * 1e-6) / 1e9 / copy_gbs * 100
+    line += f"  copy {out['copy_pct']:5.1f}%"
     if with_inductor:
         # For a backward job Inductor's figure is its forward + backward (the compiled graph's
         # kernels of both passes), against that byte floor.
@@ -283,7 +293,9 @@ def main() -> None:
     for spec in args.jobs.split(","):
         pass_name, m, n = spec.split(":")
         job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype))
-        table = (backward_config if job.backward else forward_config)(job.n, job.dtype)
+        # The configuration dispatch runs at this M (fewer rows per program where M is small).
+        table = fit_to_rows((backward_config if job.backward else forward_config)(job.n, job.dtype), job.m,
+                            torch.device(DEVICE))
         jobs.append((job, candidates(job, table, args.table_only)))
     if args.workers > 1:
         precompile(jobs, args.workers)

@@ -1,4 +1,6 @@
-"""Checks the patcher's tests share."""
+"""Checks the tests share."""
+
+import contextlib
 
 import torch
 from tolerances import SAME_OPS_FP32, few_roundings
@@ -21,3 +23,14 @@ def assert_computes_like(original, patched, x) -> None:
     else:
         torch.testing.assert_close(ref, want, **few_roundings(want.dtype))
         assert (ref != want).float().mean().item() <= 0.05
+
+
+@contextlib.contextmanager
+def compiling_afresh():
+    """Compile as a new process would with empty caches: Dynamo reset, and neither
+    AOTAutograd's nor Inductor's graph cache consulted. A cached graph keeps the decisions taken
+    when it was traced (the kernels or the reference); a test of the decision itself must trace."""
+    torch._dynamo.reset()
+    with torch._functorch.config.patch(enable_autograd_cache=False), \
+            torch._inductor.config.patch(fx_graph_cache=False):
+        yield

@@ -215,3 +215,22 @@ def test_backward_of_a_vmapped_forward(device):
         want = torch.autograd.grad(T.rms_norm(x, (N,), w), (x, w), g)
     for g_, e in zip(got, want):
         torch.testing.assert_close(g_, e, **BATCHED[torch.float32])
+
+
+def test_batched_backward_on_another_thread(device):
+    """The autograd engine runs a CUDA backward on its device thread, where vmap's (thread-local)
+    nesting count reads 0: the batched kernel finds its tensors' level all the same."""
+    import threading
+
+    from torch_rmsnorm_op.batching import _innermost_level
+
+    found = []
+
+    def probe(t):
+        worker = threading.Thread(target=lambda: found.append(_innermost_level([t])))
+        worker.start()
+        worker.join()
+        return t * 1
+
+    torch._vmap_internals._vmap(probe, 0, 0)(torch.randn(3, 4, 8, device=device))
+    assert found == [(1, 3)]

@@ -8,6 +8,7 @@ each op as one opaque call, which runs the kernels through the Triton interprete
 
 import pytest
 import torch
+from checks import compiling_afresh
 from functorch.compile import make_boxed_func
 from tolerances import TOL, dweight_tol
 from torch._dynamo.backends.common import aot_autograd
@@ -172,12 +173,11 @@ def test_reduce_overhead_has_no_cudagraph_skips():
 def test_fallback_under_compile_is_decided_while_tracing():
     """fp64 on CUDA: the graph holds the reference's operations, counted once as a compiled
     fallback; "error" raises while compiling."""
-    torch._dynamo.reset()
     x = torch.randn(4, 16, device="cuda", dtype=torch.float64)
-    with T.fallback_policy("reference"):
+    with compiling_afresh(), T.fallback_policy("reference"):
         y = torch.compile(_norm, fullgraph=True)(x, None)
     torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (16,), None, 1e-6))
-    assert any(k.startswith("rmsnorm.fwd: reference (x dtype torch.float64") for k in T.dispatch_stats()["compiled"])
-    torch._dynamo.reset()
-    with T.fallback_policy("error"), pytest.raises(Exception, match="fallback policy is 'error'"):
+    assert [v for k, v in T.dispatch_stats()["compiled"].items()
+            if k.startswith("rmsnorm.fwd: reference (x dtype torch.float64")] == [1]
+    with compiling_afresh(), T.fallback_policy("error"), pytest.raises(Exception, match="fallback policy is 'error'"):
         torch.compile(_norm, fullgraph=True)(x, None)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from checks import compiling_afresh
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import dispatch, fallback
@@ -114,14 +115,25 @@ def test_fallback_visible_in_profiler(device):
 
 
 def test_policy_holds_under_compile(device):
-    f = torch.compile(lambda x, w: T.rms_norm(x, (8,), w), fullgraph=True, backend="aot_eager")
+    """On CPU a compiled graph keeps the op whole: decided and counted per call. On CUDA the
+    decision is taken while tracing: counted once for the call site, the graph then holds the
+    reference's operations, and "error" raises while compiling."""
     x, w = _fp64(device)
-    with T.fallback_policy("reference"):
-        f(x, w)
-        f(x, w)
-    assert T.dispatch_stats()["fallback"] == {FP64_REASON: 2}  # counted per call, not per trace
-    with T.fallback_policy("error"), pytest.raises(T.FallbackError):
-        f(x, w)
+    with compiling_afresh():
+        f = torch.compile(lambda x, w: T.rms_norm(x, (8,), w), fullgraph=True, backend="aot_eager")
+        with T.fallback_policy("reference"):
+            f(x, w)
+            f(x, w)
+    stats = T.dispatch_stats()
+    if device.type == "cuda":
+        assert stats["fallback"] == {} and stats["compiled"] == {
+            FP64_REASON.replace("rmsnorm.fwd: ", "rmsnorm.fwd: reference (") + ")": 1}
+        with compiling_afresh(), T.fallback_policy("error"), pytest.raises(Exception, match="policy is 'error'"):
+            torch.compile(lambda x, w: T.rms_norm(x, (8,), w), fullgraph=True, backend="aot_eager")(x, w)
+    else:
+        assert stats["fallback"] == {FP64_REASON: 2}  # counted per call, not per trace
+        with T.fallback_policy("error"), pytest.raises(T.FallbackError):
+            f(x, w)
 
 
 def test_cpu_without_interpreter_falls_back():

@@ -68,7 +68,7 @@ def test_smoke_run_writes_the_declared_schema(smoke):
                 assert set(ours) == want, row["norm_kernels"]
                 assert all(k["calls"] == row["norm_modules"] for k in ours.values()), ours
             else:
-                assert "_rms_norm_fwd" in {name.split("(")[0] for name in ours}, ours
+                assert any(name.startswith("_rms_norm_fwd") for name in ours), ours
 
 
 def test_smoke_run_writes_markdown_and_chart(smoke):
@@ -84,7 +84,7 @@ def test_smoke_run_writes_markdown_and_chart(smoke):
     assert _png_text(png)["Description"] == result["timing"]
     if result["gpu"] == "cpu-interpreter":
         assert "not GPU timings" in md and "not GPU timings" in result["timing"]
-    assert "compile + measure" in stdout and "wrote " in stdout
+    assert "rounds of stock, patched" in stdout and "wrote " in stdout
 
 
 def test_norm_byte_floor_by_hand():

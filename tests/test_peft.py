@@ -62,7 +62,11 @@ def test_lora_llama_patched_compiled_training_step(device):
     compiled = torch.compile(lambda t: model(input_ids=t, labels=t).loss, fullgraph=True, backend="aot_eager")
     T.reset_dispatch_stats()
     loss, grads, params = _step(compiled, model, tokens)
-    assert T.dispatch_stats()["kernel"].get("rmsnorm.fwd", 0) == 3  # three norms run per forward
+    stats = T.dispatch_stats()
+    if device.type == "cuda":  # the graph launches the kernels: three call sites each way, decided while tracing
+        assert stats["compiled"] == {"rmsnorm.fwd: kernel": 3, "rmsnorm.bwd: kernel": 3}, stats
+    else:  # three norms run per forward, each one opaque call
+        assert stats["kernel"].get("rmsnorm.fwd", 0) == 3, stats
 
     torch.testing.assert_close(loss, want[0], **LOSS_TOL)
     assert grads.keys() == want[1].keys() and any("modules_to_save" in n for n in grads)

@@ -9,7 +9,9 @@ the job. Checked on torch 2.11 and 2.13.
   functionalizes a graph, the ops decompose into their kernel launches (as
   ``torch.library.triton_op`` does), except while ``torch.export`` keeps custom ops whole;
 - ``register_triton_kernels(op, kernels)``: the kernels' source joins AOTAutograd's cache key
-  for graphs that call the op (as ``torch.library.triton_op`` registers its own).
+  for graphs that call the op (as ``torch.library.triton_op`` registers its own);
+- ``recording_graph()``: whether a graph is being recorded (``make_fx``'s proxy mode), which
+  tells AOTAutograd's graph trace from its metadata pass over the same forward.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "decomposing_custom_triton_ops",
     "dispatcher_has_nothing_to_do",
     "functorch_transform",
+    "recording_graph",
     "register_triton_kernels",
 ]
 
@@ -57,3 +60,9 @@ def register_triton_kernels(op: str, kernels: list) -> None:
     registry = getattr(torch._library.triton, "triton_ops_to_kernels", None)
     if registry is not None:
         registry[op] = list(kernels)
+
+
+def recording_graph() -> bool:
+    """Whether ``make_fx``'s proxy mode is active: a graph is being recorded. AOTAutograd first
+    runs a forward without it, to collect the outputs' metadata, then records the graph."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None

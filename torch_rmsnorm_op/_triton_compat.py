@@ -125,9 +125,11 @@ def _launcher(compiled) -> Launcher:
 def specialization(args: list) -> tuple:
     """What Triton's JIT specializes kernel arguments on, or finer: per tensor its dtype and
     16-byte alignment; per int whether it is 1, a multiple of 16, in int32 range, beyond int64;
-    a float (eps, fp32 for Triton) by type; anything else by type and value."""
+    a float (eps, fp32 for Triton) by type; anything else by type and value. A tensor of any
+    class (a Parameter too) by its dtype, never by the object: a Parameter keeps its identity
+    when ``module.to`` changes its dtype."""
     return tuple([
-        (a.dtype, a.data_ptr() & 15 == 0) if type(a) is torch.Tensor
+        (a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor)
         else (a == 1, a & 15 == 0, -(2**31) <= a < 2**31, a >= 2**63) if type(a) is int
         else float if type(a) is float
         else (type(a), a)

@@ -181,11 +181,16 @@ def _legacy_batch_size(t: Tensor, level: int) -> int | None:
     return one.shape[0] if one.shape[0] == two.shape[0] else None
 
 
+# The nesting count is thread-local, and the autograd engine runs a CUDA backward on its device
+# thread, where it reads 0 while the tensors stay batched: there the levels up to this are tried.
+MAX_LEGACY_LEVEL = 8
+
+
 def _innermost_level(tensors: list[Tensor]) -> tuple[int, int]:
     """The innermost vmap level any of ``tensors`` is batched at, and its batch size."""
     top = torch._C._vmapmode_increment_nesting() - 1
     torch._C._vmapmode_decrement_nesting()
-    for level in range(top, 0, -1):
+    for level in range(top or MAX_LEGACY_LEVEL, 0, -1):
         for t in tensors:
             size = _legacy_batch_size(t, level)
             if size is not None:

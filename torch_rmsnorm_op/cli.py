@@ -154,9 +154,10 @@ def _bench_models(args: argparse.Namespace) -> int:
         passes=args.passes or mb.PASSES,
         impls=args.impls or mb.IMPLS,
         layers=args.layers,
-        steps=args.steps or (3 if smoke else 20),
+        steps=args.steps or (3 if smoke else 10),
         warmup=args.warmup or (2 if smoke else 5),
-        profile_steps=args.profile_steps or (1 if smoke else 5),
+        profile_steps=args.profile_steps or (1 if smoke else 3),
+        rounds=args.rounds or (2 if smoke else 4),
         backend=args.backend or ("aot_eager" if smoke else "inductor"),
         smoke=smoke,
     )
@@ -248,9 +249,13 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--impls", type=_list_of("impls", mb.IMPLS),
                         help="stock, patched, liger (default: all three; liger only where liger_kernel imports)")
     models.add_argument("--layers", type=int, help="decoder layers, overriding the size's count")
-    models.add_argument("--steps", type=int, help="timed steps per pass; the median is reported (default: 20)")
+    models.add_argument("--steps", type=int,
+                        help="timed steps per impl and round; the median over all rounds is reported (default: 10)")
+    models.add_argument("--rounds", type=int,
+                        help="rounds of the impls timed in turn, against drift of the GPU's clocks (default: 4)")
     models.add_argument("--warmup", type=int, help="steps before timing, the first compiles (default: 5)")
-    models.add_argument("--profile-steps", type=int, help="steps in the profiled window for GPU time (default: 5)")
+    models.add_argument("--profile-steps", type=int,
+                        help="profiled steps per impl and round, for GPU time (default: 3)")
     models.add_argument("--backend", help="torch.compile backend (default: inductor; aot_eager with --smoke)")
     models.add_argument("--compile-jobs", type=int, default=0,
                         help="first compile every model in this many parallel worker processes, filling Inductor's "

@@ -44,9 +44,9 @@ FWD_LADDER = (
     # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
     # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
     (4096, 4096, 8, dict(looped=True, mask_free=True)),
-    # N=5120 1 row x 8 warps 84.2% (looped 4096 x 16, the rung above before: 71.5%), 7168 94.0% (89.8%); at
-    # N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
-    (8191, 8192, 8, {}),
+    # N=5120 1 row x 8 warps 84.2%, 4 warps 83.9% (looped 4096 x 16, the rung above before: 71.5%); 7168 4 warps
+    # 94.4%, 8 warps 94.0% (89.8%); at N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
+    (8191, 8192, 4, {}),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
     # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
     # 96.1%); 32768 at 8192 x 32 warps 93.9% (single-pass x 16 warps 90.5%). Without masks where N is a multiple
@@ -93,14 +93,20 @@ BWD_LADDER = (
     # N=256: 32 rows, counted loop 90.1% (in-kernel bounds 88.7%); rows prefetched a tile ahead (stages 2):
     # 85.5% against 83.5% under do_bench (staged.json)
     (256, 8192, 4, dict(programs_per_sm=4, stages=2, counted_loop=True)),
-    # N=1024: 92.0% (8 rows 92.5%, a tie; without prefetch 91.8%); do_bench: 4 programs per SM 84.5% against
-    # 87.6% (bwd-loop-form.json)
-    (1024, 4096, 4, dict(programs_per_sm=8, stages=2)),
-    # N=2048 at 8192 rows: 8 rows x 8 warps, 1 program per SM 60.3% (16 warps, 2 per SM, the rung before: 43.6%;
-    # 4 rows x 8 warps 59.1%; sweep.json). It spills (255 registers, 104 B of stack under Triton 3.9 for sm_90a,
-    # profiling/resource_usage.py; 4 rows: 169 registers, none) and was fastest all the same.
-    (2048, 16384, 8, {}),
-    (4096, 16384, 16, dict(programs_per_sm=2)),  # 90.4% (counted loop 90.3%, 4 programs per SM 87.7%)
+    # Where a tile row spans all of a program's threads, the dweight accumulator is one row
+    # (launch.dweight_acc_rows): 8 rows x 2048 went from 255 registers to 174 (Triton 3.9, sm_90a;
+    # profiling/resource_usage.py), and two or four programs fit on an SM. Rungs from N=1024 to 4096 by
+    # profiling/tune.py with that accumulator (profiling/results/2026-12-01-h200-backward/bwd.json):
+    # N=1024 (131072 rows), counted loop 91.4% (in-kernel bounds 86.4%).
+    (1024, 4096, 4, dict(programs_per_sm=8, stages=2, counted_loop=True)),
+    # N=2048 (8192 rows): 4 rows x 8 warps, 2 programs per SM, counted loop: 70.1%, with the residual's gradient
+    # 77.0% (in-kernel bounds 70.4% / 75.9%; 2 rows, 4 per SM: 69.9% / 76.7%; 8 rows, 1 per SM, the rung before:
+    # 64.6% / 72.7%, and 60.3% with the accumulator of 8 rows; candidates.json).
+    (2048, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
+    # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop: 81.2%, with the residual's gradient 85.7% (in-kernel
+    # bounds 81.5% / 66.6%; add-bwd-4096.json); in-kernel bounds 92.2% at 32768 rows (bwd.json). 4 rows x 16 warps,
+    # the rung before: 70.8% / not measured, 88.0% at 32768 rows.
+    (4096, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
     (8192, 16384, 16, {}),  # 91.5% (counted loop 78.2%, 2 programs per SM 89.8%)
     # N=16384: x and dy read a second time after the row sum (reload), counted loop: 87.1% (in-kernel bounds
     # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
@@ -232,7 +238,8 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
     rows = cfg.rows
     while rows > 1 and cdiv(m, rows) < target:
         rows //= 2
-    return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows, mask_free=False)
+    # mask_free stays: the launcher drops the masks only where the new tiles still cover x exactly.
+    return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows)
 
 
 @functools.cache

@@ -85,12 +85,21 @@ def fallback_policy(policy: str) -> Iterator[None]:
         _policy = previous
 
 
+def _counts_as_call_site() -> bool:
+    """A decision taken while tracing counts once per call site: in the trace that records the
+    graph, not in AOTAutograd's metadata pass over the same forward (which decides alike)."""
+    from torch_rmsnorm_op._torch_compat import recording_graph
+
+    return recording_graph()
+
+
 def record_kernel(op: str, compiled: bool = False) -> None:
     """Count one call served by the Triton kernels; with ``compiled``, one call site of a
     compiled graph whose launch the graph now holds (decided once, while tracing)."""
     with _lock:
         if compiled:
-            _compiled[f"{op}: kernel"] += 1
+            if _counts_as_call_site():
+                _compiled[f"{op}: kernel"] += 1
         else:
             _kernel_calls[op] += 1
 
@@ -109,7 +118,8 @@ def record_fallback(op: str, reason: str, compiled: bool = False) -> None:
         )
     with _lock:
         if compiled:
-            _compiled[f"{op}: reference ({reason})"] += 1
+            if _counts_as_call_site():
+                _compiled[f"{op}: reference ({reason})"] += 1
         else:
             _fallback_calls[(op, reason)] += 1
         first = reason not in _warned

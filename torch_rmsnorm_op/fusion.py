@@ -174,7 +174,17 @@ def residual_fusion_pass_class() -> type:
                 h.update(then() if callable(then) else repr(self.then).encode())
             return h.digest()
 
+        def __reduce__(self):
+            # Inductor pickles its config into the compile cache's key: a class defined in a
+            # function pickles by reference to a module-level rebuild, its uuid in the key.
+            return _rebuild_pass, (self.then, self.uuid())
+
     return ResidualFusionPass
+
+
+def _rebuild_pass(then, uuid: bytes):
+    """Unpickle a ``ResidualFusionPass`` (``uuid``: the one it had, part of the pickled key)."""
+    return residual_fusion_pass_class()(then)
 
 
 def install() -> None:

@@ -220,9 +220,17 @@ def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None, 
     _reduce_stage(partial, dweight, 1, rows_bound, traced, k)
 
 
+def dweight_acc_rows(cfg: KernelConfig, elem_bytes: int) -> int:
+    """Rows of the rows backward's dweight accumulator (``kernels.rows._accumulate``): 1 where a
+    tile row spans all of the program's threads at 16 bytes per thread, so that each thread holds
+    whole columns of the tile and summing a tile's rows stays in its registers; else ``cfg.rows``
+    (a tile's rows lie in different threads, and summing them costs an exchange per tile)."""
+    return 1 if cfg.block_n >= cfg.num_warps * 32 * (16 // elem_bytes) else cfg.rows
+
+
 @functools.cache
 def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_dims: int, merge: bool,
-                     weight_offset: float) -> Mapping:
+                     weight_offset: float, elem_bytes: int) -> Mapping:
     if cfg.split > 1:
         out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
@@ -230,7 +238,7 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
     else:
         out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
-                   MERGE=merge, WEIGHT_OFFSET=weight_offset)
+                   MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes))
     return MappingProxyType(out)
 
 
@@ -263,7 +271,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     ptrs = [dy, x, placeholder if weight is None else weight, rstd, dx, placeholder if dres is None else dres,
             placeholder if partial is None else partial, placeholder if flags is None else flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
-    consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset)
+    consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
+                              x.dtype.itemsize)
     k = kernels or _kernels()
     if cfg.split > 1:
         slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=device)

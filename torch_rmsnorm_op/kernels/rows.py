@@ -22,6 +22,16 @@ from torch_rmsnorm_op.kernels.common import (
 
 
 @triton.jit
+def _accumulate(acc, tile, ACC_ROWS: tl.constexpr):
+    """``acc`` [ACC_ROWS, BLOCK_N] plus ``tile`` [ROWS, BLOCK_N]: row by row, or (ACC_ROWS 1) its column sums."""
+    if ACC_ROWS == 1:
+        acc += tl.sum(tile, axis=0)[None, :]
+    else:
+        acc += tile
+    return acc
+
+
+@triton.jit
 def _rms_norm_fwd_rows(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
     R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
@@ -105,6 +115,7 @@ def _rms_norm_bwd_rows(
     STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
     MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
     WEIGHT_OFFSET: tl.constexpr,
+    ACC_ROWS: tl.constexpr,  # rows of the dweight accumulator: ROWS, or 1 (each tile summed as it goes)
 ):
     group = tl.program_id(0).to(tl.int64)
     row_start = group * rows_per_group
@@ -113,7 +124,10 @@ def _rms_norm_bwd_rows(
     col_mask = cols < N
     if HAS_WEIGHT:
         w = _weight(tl.load(W + cols, mask=col_mask, other=0.0), WEIGHT_OFFSET)
-    dw_acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    # One accumulator row per tile row leaves the tile's row sum to the end; one row in all sums
+    # each tile as it goes, which costs nothing where every thread holds whole columns of the
+    # tile (launch.dweight_acc_rows) and saves ROWS - 1 rows of registers.
+    dw_acc = tl.zeros([ACC_ROWS, BLOCK_N], dtype=tl.float32)
     # The loop form alone moves the backward by several % of copy, each way at different N,
     # so the table picks it per rung.
     if COUNTED_LOOP:
@@ -133,7 +147,7 @@ def _rms_norm_bwd_rows(
         if HAS_WEIGHT:
             u = dy * w[None, :]
             if not RELOAD:
-                dw_acc += dy * x * rstd[:, None]
+                dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
         c = tl.sum(u * x, axis=1) / N
         if RELOAD:
             # Rather than keep x and dy in registers across the row sum (Inductor's loops do
@@ -143,7 +157,7 @@ def _rms_norm_bwd_rows(
             u = dy
             if HAS_WEIGHT:
                 u = dy * w[None, :]
-                dw_acc += dy * x * rstd[:, None]
+                dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
         dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
         if HAS_DRES:
             dx += _load_f32(DRES + rows[:, None] * dres_stride + cols[None, :], mask, "")

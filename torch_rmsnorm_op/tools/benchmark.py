@@ -208,7 +208,8 @@ def cuda_graph(fn) -> torch.cuda.CUDAGraph:
 def latency_rows(m: int, n: int, dtype: torch.dtype, device: str = "cuda") -> list[dict]:
     """Per-call cost of one forward: ours and ``F.rms_norm`` eager; ours and Inductor's
     ``F.rms_norm`` compiled with ``mode="reduce-overhead"`` (CUDA graphs); a replay of our call
-    captured in a ``torch.cuda.CUDAGraph``; and our kernels' GPU time alone."""
+    captured in a ``torch.cuda.CUDAGraph``; ``x * 2`` compiled the same way (what any
+    reduce-overhead call costs); and our kernels' GPU time alone."""
     x = torch.randn(m, n, device=device, dtype=dtype)
     w = torch.rand(n, device=device, dtype=dtype) + 0.5
     ours = lambda: T.rms_norm(x, (n,), w, EPS)  # noqa: E731
@@ -217,9 +218,11 @@ def latency_rows(m: int, n: int, dtype: torch.dtype, device: str = "cuda") -> li
     # Windows in turn, and more of them than call_us's default: the eager rows differ by a few µs
     # on a host whose load moves them by more than that.
     rows = [dict(base, impl=name, call_us=round(us, 2)) for name, us in calls_us(fns, windows=11).items()]
-    for name, fn in (("ours", T.rms_norm), ("Inductor", F.rms_norm)):
+    # "x * 2": a graph without any norm, the floor of a reduce-overhead call on this host.
+    for name, fn in (("ours", T.rms_norm), ("Inductor", F.rms_norm), ("x * 2", None)):
         torch._dynamo.reset()
-        graphed = torch.compile(lambda x, fn=fn: fn(x, (n,), w, EPS), mode="reduce-overhead", dynamic=False)
+        graphed = torch.compile((lambda x: x * 2) if fn is None else (lambda x, fn=fn: fn(x, (n,), w, EPS)),
+                                mode="reduce-overhead", dynamic=False)
         us = call_us(lambda graphed=graphed: graphed(x))
         rows.append(dict(base, impl=f"{name} reduce-overhead", call_us=round(us, 2)))
     with torch.no_grad():

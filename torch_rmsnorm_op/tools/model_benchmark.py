@@ -11,27 +11,37 @@ configuration is (model, hidden, layers, tokens, mode, pass, impl):
   row instead of timing the reference); ``liger`` swaps each RMSNorm module of
   this model instance for ``liger_kernel``'s ``LigerRMSNorm`` holding the same
   weight Parameter (no global class is touched), then compiles; it runs only
-  where ``liger_kernel`` imports. All three share the same model object and
-  weights; a row's model is restored before the next one.
+  where ``liger_kernel`` imports. Each impl runs on its own deep copy of one
+  model (the same weights), so all of a configuration's impls are compiled
+  and alive together and are timed in turn (below).
 - ``mode``: ``torch.compile``'s ``default`` or ``reduce-overhead`` (CUDA graphs;
   each step then begins with ``torch.compiler.cudagraph_mark_step_begin()``).
 - ``pass``: ``train`` is a forward with ``labels`` (the model's own loss) and
   ``loss.backward()``, the parameters' grads set to None before each step
   (outside the timed span); ``infer`` is a forward under ``torch.no_grad()``.
   One compiled model serves both passes (Dynamo compiles a graph for each
-  grad mode); ``torch.compiler.reset()`` runs between compiled models.
+  grad mode); ``torch.compiler.reset()`` runs between configurations
+  (model, tokens, mode).
+- Interleaving: a pass is measured in ``rounds`` rounds; in each round every
+  impl times ``steps`` steps and profiles ``profile_steps``, the impls taken in
+  turn (in reverse order every other round). A GPU's clocks drift over a run
+  by about as much as the differences measured here (the large GEMM kernels of
+  one impl timed after another's ran 0.3-0.7% slower), so impls measured one
+  after the other are not compared on equal terms.
 
 What each number is:
 
-- ``step_ms``: median over ``steps`` steps of the time between two CUDA events
-  recorded on the stream around each step, after ``warmup`` steps (the first
-  of which compiles). It includes the host time of a step where the GPU waits
-  for the host (small token counts). In a ``--smoke`` run on CPU it is wall
+- ``step_ms``: median over all rounds' timed steps (``steps`` in the row: their
+  count) of the time between two CUDA events recorded on the stream around
+  each step, after ``warmup`` steps (the first of which compiles). It
+  includes the host time of a step where the GPU waits for the host (small
+  token counts). In a ``--smoke`` run on CPU it is wall
   time through the Triton interpreter: **not a GPU timing**.
 - ``gpu_ms``: GPU time per step: the sum of the device durations of every
-  kernel, memset and memcpy over a ``torch.profiler`` window of
-  ``profile_steps`` steps, divided by the steps; idle gaps are not counted.
-- ``norm_kernels``: the norm-related device kernels of that window by name,
+  kernel, memset and memcpy over a ``torch.profiler`` window, divided by its
+  steps; idle gaps are not counted. The median of the rounds' windows;
+  ``gpu_ms_rounds`` lists each round's.
+- ``norm_kernels``: the norm-related device kernels by name, averaged over the rounds' windows,
   ``{"us": time per step, "calls": launches per step, "source": ...}``: ours
   and Liger's by their Triton names (``_rms_norm*``; Liger's
   ``_rms_norm_forward_kernel`` / ``_rms_norm_backward_kernel`` and their
@@ -75,9 +85,10 @@ Also in each row: the model's shape (``intermediate``, ``heads``,
 ``kv_heads``, ``head_dim``, ``vocab``), ``norm_modules`` (RMSNorm modules in
 the model) and ``norm_modules_swapped`` (by the impl), ``compile_s`` (the
 pass's first step, compiling included), ``step_ms_min`` / ``step_ms_max``,
-``peak_mem_GiB`` (``max_memory_allocated`` over the timed and profiled steps,
-the model included), ``top_kernels`` (the window's costliest device kernels,
-µs per step), ``commit``, ``run_started`` and ``backend``; ``error`` instead of
+``step_peak_extra_GiB`` (``max_memory_allocated`` over the impl's timed and
+profiled steps, above what was allocated before them: the step's
+activations and gradients), ``top_kernels`` (the costliest device kernels,
+µs per step, averaged over the rounds), ``commit``, ``run_started`` and ``backend``; ``error`` instead of
 the measurements where the configuration failed.
 
 Output: ``<out>/<date>-<gpu>-models.json`` with ``gpu``, ``torch``,
@@ -105,6 +116,7 @@ merge into one file (``--plan`` prints a selection's compile count).
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import gc
 import importlib
@@ -397,9 +409,10 @@ class Selection:
     passes: tuple[str, ...] = PASSES
     impls: tuple[str, ...] = IMPLS
     layers: int | None = None
-    steps: int = 20
+    steps: int = 10
     warmup: int = 5
-    profile_steps: int = 5
+    profile_steps: int = 3
+    rounds: int = 4
     backend: str = "inductor"
     smoke: bool = False
 
@@ -417,7 +430,7 @@ class Selection:
             raise ValueError(f"tokens must be a non-empty list of BATCHxSEQ with both >= 1, got {self.tokens}")
         if any(s > 4096 for _, s in self.tokens):
             raise ValueError("tokens: the sequence length must be at most 4096 (max_position_embeddings)")
-        for name in ("steps", "warmup", "profile_steps"):
+        for name in ("steps", "warmup", "profile_steps", "rounds"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.layers is not None and self.layers < 1:
@@ -596,31 +609,91 @@ def eager_reference(model: nn.Module, ids: Tensor, passes: Sequence[str]) -> dic
     return out
 
 
-def measure_pass(steps: Steps, pass_: str, sel: Selection, device: torch.device,
-                 step_context: StepContext) -> tuple[dict, Outputs]:
-    """Compile (first step), warm up, time and profile one pass; the row's measured fields and
-    the first step's outputs."""
-    with step_context():
+@dataclass
+class Arm:
+    """One impl of a configuration: its own copy of the model, compiled, and its steps."""
+
+    impl: str
+    steps: Steps
+    step_context: StepContext
+    swapped: int
+
+
+def warm_up(arm: Arm, pass_: str, sel: Selection, device: torch.device) -> tuple[float, Outputs]:
+    """Compile ``pass_`` (its first step) and warm it up; (compile seconds, the first step's outputs)."""
+    with arm.step_context():
         t0 = time.perf_counter()
-        first = steps.first(pass_)
+        first = arm.steps.first(pass_)
         _sync(device)
         compile_s = time.perf_counter() - t0
-        step = steps.train if pass_ == "train" else steps.infer
-        before = steps.clear_grads if pass_ == "train" else (lambda: None)
+        step, before = _step_fns(arm.steps, pass_)
         for _ in range(sel.warmup - 1):
             before()
             step()
+    return compile_s, first
+
+
+def _step_fns(steps: Steps, pass_: str) -> tuple[Callable[[], object], Callable[[], None]]:
+    return (steps.train, steps.clear_grads) if pass_ == "train" else (steps.infer, lambda: None)
+
+
+def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.device) -> dict[str, dict]:
+    """Time and profile every arm's ``pass_`` in ``sel.rounds`` rounds, the arms taken in turn
+    within each round (in reverse order every other round), so that clock and thermal drift
+    during the run weighs on each arm alike. Each round times ``steps`` steps and profiles
+    ``profile_steps`` per arm. Returns each impl's measured fields."""
+    times: dict[str, list[float]] = {a.impl: [] for a in arms}
+    profiles: dict[str, list[dict]] = {a.impl: [] for a in arms}
+    peak: dict[str, int] = {a.impl: 0 for a in arms}
+    for r in range(sel.rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            step, before = _step_fns(arm.steps, pass_)
+            with arm.step_context():
+                if device.type == "cuda":
+                    _sync(device)
+                    held = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                times[arm.impl] += time_steps(step, before, sel.steps, device)
+                profiles[arm.impl].append(profile_window(step, before, sel.profile_steps, device))
+                if device.type == "cuda":
+                    peak[arm.impl] = max(peak[arm.impl], torch.cuda.max_memory_allocated(device) - held)
+            arm.steps.clear_grads()
+    out = {}
+    for arm in arms:
+        t = times[arm.impl]
+        row = {"step_ms": round(statistics.median(t), 4), "step_ms_min": round(min(t), 4),
+               "step_ms_max": round(max(t), 4), "steps": len(t), "rounds": sel.rounds,
+               "profile_steps": sel.profile_steps * sel.rounds, **merge_profiles(profiles[arm.impl])}
         if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = time_steps(step, before, sel.steps, device)
-        prof = profile_window(step, before, sel.profile_steps, device)
-    row = {"step_ms": round(statistics.median(times), 4), "step_ms_min": round(min(times), 4),
-           "step_ms_max": round(max(times), 4), "steps": sel.steps, "profile_steps": sel.profile_steps,
-           "compile_s": round(compile_s, 2), **prof}
-    if device.type == "cuda":
-        row["peak_mem_GiB"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    steps.clear_grads()
-    return row, first
+            row["step_peak_extra_GiB"] = round(peak[arm.impl] / 2**30, 2)
+        out[arm.impl] = row
+    return out
+
+
+def merge_profiles(windows: Sequence[dict]) -> dict:
+    """``profile_window`` results of several rounds as one: ``gpu_ms`` the median round's (and every
+    round's in ``gpu_ms_rounds``), kernel times and calls per step averaged over the rounds."""
+    gpu = [w["gpu_ms"] for w in windows if w["gpu_ms"] is not None]
+
+    def mean(field: str) -> dict:
+        acc: dict[str, dict] = {}
+        for w in windows:
+            for name, value in w[field].items():
+                if isinstance(value, dict):
+                    slot = acc.setdefault(name, {"us": 0.0, "calls": 0.0, "source": value["source"]})
+                    slot["us"] += value["us"] / len(windows)
+                    slot["calls"] += value["calls"] / len(windows)
+                else:
+                    acc.setdefault(name, {"us": 0.0})["us"] += value / len(windows)
+        if field == "top_kernels":
+            ranked = sorted(acc.items(), key=lambda kv: -kv[1]["us"])[:TOP_KERNELS]
+            return {k: round(v["us"], 2) for k, v in ranked}
+        return {k: {"us": round(v["us"], 2), "calls": round(v["calls"], 2), "source": v["source"]}
+                for k, v in sorted(acc.items(), key=lambda kv: -kv[1]["us"])}
+
+    return {"gpu_ms": round(statistics.median(gpu), 4) if gpu else None,
+            "gpu_ms_rounds": [round(g, 4) for g in gpu], "norm_kernels": mean("norm_kernels"),
+            "top_kernels": mean("top_kernels")}
 
 
 def _free(device: torch.device) -> None:
@@ -736,49 +809,66 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
         result["rows"] = [r for r in previous if _key(r) not in mine] + rows
         write_results(result, stem)
 
+    def emit_pass(spec: ModelSpec, batch: int, seq: int, mode: str, pass_: str, arms: list[Arm],
+                  eager_out: Outputs) -> None:
+        label = f"{spec.family} {spec.hidden}x{spec.layers} {batch}x{seq} {mode} {pass_}"
+        base_row = {"model": spec.family, "hidden": spec.hidden, "layers": spec.layers,
+                    "intermediate": spec.intermediate, "heads": spec.heads, "kv_heads": spec.kv_heads,
+                    "head_dim": spec.head_dim, "vocab": spec.vocab, "tokens": f"{batch}x{seq}", "mode": mode,
+                    "pass": pass_, "norm_modules": len(norm_modules(arms[0].steps.model)), **base}
+        rows_of: dict[str, dict] = {}
+        ready: list[Arm] = []
+        firsts: dict[str, Outputs] = {}
+        for arm in arms:
+            row = rows_of[arm.impl] = dict(base_row, impl=arm.impl, norm_modules_swapped=arm.swapped)
+            _log(f"{label} {arm.impl}: compile")
+            try:
+                row["compile_s"], firsts[arm.impl] = warm_up(arm, pass_, sel, device)
+                ready.append(arm)
+            except Exception as e:  # a failing configuration is a result; the run goes on
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+        _log(f"{label}: {sel.rounds} rounds of {', '.join(a.impl for a in ready)}")
+        try:
+            measured = measure_arms(ready, pass_, sel, device) if ready else {}
+        except Exception as e:
+            for arm in ready:
+                rows_of[arm.impl]["error"] = f"{type(e).__name__}: {e}"[:500]
+            measured = {}
+        stock = rows_of.get("stock") if "stock" in measured else None
+        for arm in sorted(arms, key=lambda a: a.impl != "stock"):  # stock's errors first: judge reads them
+            row = rows_of[arm.impl]
+            if arm.impl in measured:
+                row.update(measured[arm.impl])
+                ref_name = "stock" if stock is not None and arm.impl != "stock" else "eager"
+                ref = firsts["stock"] if ref_name == "stock" else eager_out
+                row.update(reference=ref_name, **compare(firsts[arm.impl], ref))
+                row["matches_reference"] = judge(row, stock if arm.impl != "stock" else None)
+                _add_floor(row, spec, batch * seq, pass_, copy_gbs)
+            emit(row)
+            _log(f"{label} {arm.impl}: " + _summary(row))
+
     for spec in sel.specs():
         _log(f"build {spec.family} hidden {spec.hidden} x {spec.layers} layers")
         model = build_model(spec, device)
-        weights = [m.weight for m in norm_modules(model)]
         for batch, seq in sel.tokens:
             ids = torch.randint(0, spec.vocab, (batch, seq), device=device,
                                 generator=torch.Generator(device=device).manual_seed(seq))
             eager = eager_reference(model, ids, sel.passes)
             for mode in sel.modes:
-                stock_out: dict[str, Outputs] = {}
-                stock_rows: dict[str, dict] = {}
-                for impl in sel.impls:
-                    label = f"{spec.family} {spec.hidden}x{spec.layers} {batch}x{seq} {mode} {impl}"
-                    with implementation(model, impl) as (swapped, step_context):
-                        _free(device)
-                        steps = Steps(_compile(model, mode, sel.backend), model, ids, mode == "reduce-overhead",
-                                      weights)
-                        for pass_ in sel.passes:
-                            row = {"model": spec.family, "hidden": spec.hidden, "layers": spec.layers,
-                                   "intermediate": spec.intermediate, "heads": spec.heads,
-                                   "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab,
-                                   "tokens": f"{batch}x{seq}", "mode": mode, "pass": pass_, "impl": impl,
-                                   "norm_modules": len(weights), "norm_modules_swapped": swapped, **base}
-                            _log(f"{label} {pass_}: compile + measure")
-                            try:
-                                fields, first = measure_pass(steps, pass_, sel, device, step_context)
-                                row.update(fields)
-                                if impl == "stock":
-                                    stock_out[pass_] = first
-                                ref_name = "stock" if pass_ in stock_out and impl != "stock" else "eager"
-                                ref = stock_out[pass_] if ref_name == "stock" else eager[pass_]
-                                row.update(reference=ref_name, **compare(first, ref))
-                                stock_row = stock_rows.get(pass_)
-                                row["matches_reference"] = judge(row, stock_row)
-                                if impl == "stock":
-                                    stock_rows[pass_] = row
-                                _add_floor(row, spec, batch * seq, pass_, copy_gbs)
-                            except Exception as e:  # a failing configuration is a result; the run goes on
-                                row["error"] = f"{type(e).__name__}: {e}"[:500]
-                            emit(row)
-                            _log(f"{label} {pass_}: " + _summary(row))
-                        del steps
-                    _free(device)
+                _free(device)
+                with contextlib.ExitStack() as stack:
+                    arms = []
+                    for impl in sel.impls:
+                        # A model of its own per impl, so the impls can be timed in turn.
+                        own = copy.deepcopy(model)
+                        weights = [m.weight for m in norm_modules(own)]
+                        swapped, step_context = stack.enter_context(implementation(own, impl))
+                        steps = Steps(_compile(own, mode, sel.backend), own, ids, mode == "reduce-overhead", weights)
+                        arms.append(Arm(impl, steps, step_context, swapped))
+                    for pass_ in sel.passes:
+                        emit_pass(spec, batch, seq, mode, pass_, arms, eager[pass_])
+                    del arms
+                _free(device)
             del eager, ids
         del model
         _free(device)
