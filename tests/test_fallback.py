@@ -179,3 +179,19 @@ def test_split_mode_needs_resident_programs_and_nvidia(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", "6.2")
     assert "NVIDIA PTX" in split_mode_reason(65536, torch.bfloat16, gpu)
     assert split_mode_reason(16384, torch.bfloat16, gpu) is None
+
+
+def test_compiled_decisions_count_where_a_graph_is_recorded():
+    """A decision taken while tracing counts once per call site: in the trace that records the
+    graph (make_fx's proxy mode), not in AOTAutograd's metadata pass over the same forward."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    fallback.record_kernel("rmsnorm.fwd", compiled=True)  # no graph being recorded
+    assert T.dispatch_stats()["compiled"] == {}
+
+    def f(x):
+        fallback.record_kernel("rmsnorm.fwd", compiled=True)
+        return x + 1
+
+    make_fx(f)(torch.randn(3))
+    assert T.dispatch_stats()["compiled"] == {"rmsnorm.fwd: kernel": 1}

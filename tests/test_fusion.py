@@ -142,3 +142,18 @@ def test_what_is_rewritten(name, f, fused):
     with T.fallback_policy("reference"):
         got = gm(*inputs)
     torch.testing.assert_close(got, want)
+
+
+def test_the_pass_pickles_into_inductors_cache_key():
+    """Inductor pickles its config into the graph cache's key: the pass pickles (by reference to
+    a module-level rebuild), and its pickled bytes follow the rewrite's on/off state."""
+    import pickle
+
+    p = fusion.residual_fusion_pass_class()(None)
+    on = pickle.dumps(p)
+    assert type(pickle.loads(on)).__name__ == "ResidualFusionPass"
+    fusion.set_residual_fusion(False)
+    try:
+        assert pickle.dumps(p) != on
+    finally:
+        fusion.set_residual_fusion(None)

@@ -42,8 +42,11 @@ def test_compiled_patched_model_matches_stock(device, backend, dynamic):
         # The training graph's backward is traced with its forward: its call sites are decided too.
         fused = {"rmsnorm.fwd: kernel": 1, "rmsnorm.add_fwd: kernel": 4, "rmsnorm.bwd: kernel": 1,
                  "rmsnorm.add_bwd: kernel": 4}
-        assert T.dispatch_stats()["compiled"] == (
-            fused if backend == "inductor" else {"rmsnorm.fwd: kernel": 5, "rmsnorm.bwd: kernel": 5})
+        want = fused if backend == "inductor" else {"rmsnorm.fwd: kernel": 5, "rmsnorm.bwd: kernel": 5}
+        # With dynamic shapes AOTAutograd specializes N (the launches depend on it), and Dynamo
+        # compiles the frame again with that guard: each call site is traced, and counted, twice.
+        traces = 2 if dynamic else 1
+        assert T.dispatch_stats()["compiled"] == {k: v * traces for k, v in want.items()}
     elif backend == "inductor":  # one opaque call per norm, the residual adds fused into 4 of them
         assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 1, "rmsnorm.add_fwd": 4}
     else:  # aot_eager runs no Inductor pass: no fused add

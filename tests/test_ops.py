@@ -131,6 +131,17 @@ def test_launch_key_is_at_least_as_fine_as_tritons():
                 native_specialize_impl(BaseBackend, b, False, True, True), (a, b)
 
 
+def test_launch_key_follows_a_parameters_dtype():
+    """A Parameter keeps its identity when ``module.to`` changes its dtype: the launch key sees
+    the dtype, not the object (keyed as an object, a patched module replayed a kernel compiled
+    for its old weight dtype)."""
+    p = torch.nn.Parameter(torch.randn(64))
+    before = _triton_compat.specialization([p])
+    p.data = p.data.half()
+    assert _triton_compat.specialization([p]) != before
+    assert _triton_compat.specialization([p]) == _triton_compat.specialization([torch.randn(64).half()])
+
+
 class _CountingCache(dict):
     """``_triton_compat._COMPILED`` that counts its hits (launches through a compiled kernel's
     launcher) and its stores (launches through the JIT)."""
@@ -464,6 +475,25 @@ def test_single_pass_backward_forms_agree(device):
     for reload, stages in itertools.product((False, True), (1, 3)):
         (dx, dw), (dx_counted, dw_counted) = outs[False, reload, stages], outs[True, reload, stages]
         assert torch.equal(dx, dx_counted) and torch.equal(dw, dw_counted)
+
+
+@pytest.mark.parametrize("n, block, warps, acc_rows", [(40, 64, 1, 2), (100, 128, 1, 1), (256, 256, 2, 1)])
+def test_dweight_accumulator_forms(device, n, block, warps, acc_rows):
+    """The rows backward's dweight accumulator: one row per tile row where a tile's rows lie in
+    different threads, one row (each tile summed as it goes) where each thread holds whole
+    columns (``launch.dweight_acc_rows``); either form gives the reference's dx and dweight."""
+    from torch_rmsnorm_op.config import KernelConfig
+
+    cfg = KernelConfig(block_n=block, rows=2, num_warps=warps, programs_per_sm=1)
+    assert launch.dweight_acc_rows(cfg, 4) == acc_rows
+    m = 23
+    x, dy, w = torch.randn(m, n, device=device), torch.randn(m, n, device=device), torch.randn(n, device=device)
+    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    dx_ref, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    dx, dw = torch.full_like(x, float("nan")), torch.full_like(w, float("nan"))
+    _backward(cfg, dy, x, w, rstd, dx, dw, _workspace(cfg, x, w))
+    torch.testing.assert_close(dx.double(), dx_ref, **TOL[torch.float32])
+    torch.testing.assert_close(dw.double(), dw_ref, **dweight_tol(torch.float32, m))
 
 
 def test_kernel_config_refuses_shapes_the_kernels_cannot_run():

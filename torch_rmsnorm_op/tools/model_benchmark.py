@@ -790,7 +790,8 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
 
     copy_gbs = copy_ceiling(20, 5, str(device), numel=COPY_NUMEL if device.type == "cuda" else 1 << 22)
     _log(f"copy ceiling {copy_gbs:.0f} GB/s")
-    timing = ("step_ms: median of CUDA-event step times; gpu_ms: device time per step from torch.profiler."
+    timing = (f"Impls timed in turn, {sel.rounds} rounds. step_ms: median of CUDA-event step times; gpu_ms: "
+              "device time per step from torch.profiler, the median round's."
               if device.type == "cuda" else
               "**Smoke run on CPU (kernels through the Triton interpreter): wall-clock times, not GPU timings.**")
     if sel.smoke and device.type == "cuda":
