@@ -1,5 +1,6 @@
 """The model benchmark's machinery: a smoke run end to end, the byte floor, kernel attribution, the swaps."""
 
+import contextlib
 import json
 import struct
 import subprocess
@@ -231,3 +232,28 @@ def test_judge_takes_the_tolerances_or_twice_stocks_own_distance():
     assert not mb.judge(patched | {"logits_rel_l2_err": 0.06}, stock)
     assert not mb.judge(patched | {"logits_rel_l2_err": float("nan")}, stock)
     assert not mb.judge({"reference": "stock", "loss_rel_err": 0.02, "grad_rel_l2_err": 0.0}, {"loss_rel_err": 1e-4})
+
+
+def test_arms_are_timed_in_turn_reversed_every_other_round():
+    """Each round times every impl's steps, the impls in turn, in reverse order every other
+    round; a row gathers all of its impl's rounds."""
+    log = []
+
+    class FakeSteps:
+        def __init__(self, impl):
+            self.impl, self.model = impl, torch.nn.Linear(1, 1)
+
+        def infer(self):
+            log.append(self.impl)
+
+        def clear_grads(self):
+            pass
+
+    arms = [mb.Arm(impl, FakeSteps(impl), contextlib.nullcontext, 0) for impl in ("stock", "patched")]
+    sel = mb.Selection(steps=2, profile_steps=1, rounds=3, smoke=True)
+    rows = mb.measure_arms(arms, "infer", sel, torch.device("cpu"))
+    per_round = 2 + 1  # timed + profiled steps
+    order = [log[i] for i in range(0, len(log), per_round)]
+    assert order == ["stock", "patched", "patched", "stock", "stock", "patched"]
+    assert {impl: (r["steps"], r["rounds"], r["profile_steps"]) for impl, r in rows.items()} == {
+        "stock": (6, 3, 3), "patched": (6, 3, 3)}

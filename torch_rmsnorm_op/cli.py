@@ -252,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--steps", type=int,
                         help="timed steps per impl and round; the median over all rounds is reported (default: 10)")
     models.add_argument("--rounds", type=int,
-                        help="rounds of the impls timed in turn, against drift of the GPU's clocks (default: 4)")
+                        help="rounds of the impls timed in turn, so that drift over the run weighs on each alike "
+                             "(default: 4)")
     models.add_argument("--warmup", type=int, help="steps before timing, the first compiles (default: 5)")
     models.add_argument("--profile-steps", type=int,
                         help="profiled steps per impl and round, for GPU time (default: 3)")

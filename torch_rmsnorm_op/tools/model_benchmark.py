@@ -24,10 +24,10 @@ configuration is (model, hidden, layers, tokens, mode, pass, impl):
   (model, tokens, mode).
 - Interleaving: a pass is measured in ``rounds`` rounds; in each round every
   impl times ``steps`` steps and profiles ``profile_steps``, the impls taken in
-  turn (in reverse order every other round). A GPU's clocks drift over a run
-  by about as much as the differences measured here (the large GEMM kernels of
-  one impl timed after another's ran 0.3-0.7% slower), so impls measured one
-  after the other are not compared on equal terms.
+  turn (in reverse order every other round). Measured one after the other in
+  one process, the same GEMM and attention kernels ran 0.4-4.6% slower in the
+  second impl's steps (profiling/results/2026-12-01-h200-models-interleaved/),
+  as much as the differences this benchmark exists to measure.
 
 What each number is:
 
@@ -811,12 +811,12 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
         write_results(result, stem)
 
     def emit_pass(spec: ModelSpec, batch: int, seq: int, mode: str, pass_: str, arms: list[Arm],
-                  eager_out: Outputs) -> None:
+                  eager_out: Outputs, norm_count: int) -> None:
         label = f"{spec.family} {spec.hidden}x{spec.layers} {batch}x{seq} {mode} {pass_}"
         base_row = {"model": spec.family, "hidden": spec.hidden, "layers": spec.layers,
                     "intermediate": spec.intermediate, "heads": spec.heads, "kv_heads": spec.kv_heads,
                     "head_dim": spec.head_dim, "vocab": spec.vocab, "tokens": f"{batch}x{seq}", "mode": mode,
-                    "pass": pass_, "norm_modules": len(norm_modules(arms[0].steps.model)), **base}
+                    "pass": pass_, "norm_modules": norm_count, **base}
         rows_of: dict[str, dict] = {}
         ready: list[Arm] = []
         firsts: dict[str, Outputs] = {}
@@ -867,7 +867,7 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
                         steps = Steps(_compile(own, mode, sel.backend), own, ids, mode == "reduce-overhead", weights)
                         arms.append(Arm(impl, steps, step_context, swapped))
                     for pass_ in sel.passes:
-                        emit_pass(spec, batch, seq, mode, pass_, arms, eager[pass_])
+                        emit_pass(spec, batch, seq, mode, pass_, arms, eager[pass_], len(norm_modules(model)))
                     del arms
                 _free(device)
             del eager, ids
