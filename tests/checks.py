@@ -34,3 +34,20 @@ def compiling_afresh():
     with torch._functorch.config.patch(enable_autograd_cache=False), \
             torch._inductor.config.patch(fx_graph_cache=False):
         yield
+
+
+def tiny_llama(norm_weights: tuple[float, float]):
+    """A one-layer transformers Llama (hidden 32, 4 heads, 2 kv heads, vocabulary 128), seeded,
+    its RMSNorm weights drawn from U(*norm_weights) so the weight's multiply is exercised."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      head_dim=8)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.uniform_(*norm_weights)
+    return model

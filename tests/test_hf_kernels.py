@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from checks import tiny_llama
 from tolerances import MODEL, few_roundings
 from torch import nn
 
@@ -53,16 +54,7 @@ def fresh_probes(monkeypatch):
 
 
 def _llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      head_dim=8)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, LlamaRMSNorm):
-                m.weight.uniform_(-1.0, 1.0)
-    return model
+    return tiny_llama((-1.0, 1.0))
 
 
 def _loss_and_grads(loss_fn, model, tokens):

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from checks import tiny_llama
 from tolerances import MODEL, few_roundings
 
 import torch_rmsnorm_op as T
@@ -22,15 +23,7 @@ LR = 0.5
 
 
 def _lora_llama():
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      head_dim=8)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for m in model.modules():
-            if type(m).__name__.endswith("RMSNorm"):
-                m.weight.uniform_(0.5, 1.5)
+    model = tiny_llama((0.5, 1.5))
     lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
                            modules_to_save=["norm"], init_lora_weights=False)
     return peft.get_peft_model(model, lora)
