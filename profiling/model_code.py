@@ -41,13 +41,13 @@ def main() -> None:
     spec = mb.ModelSpec.of(args.model, args.hidden)
     model = mb.build_model(spec, device)
     ids = torch.randint(0, spec.vocab, (batch, seq), device=device)
+    weights = [m.weight for m in mb.norm_modules(model)]  # before a patch swaps the modules
     os.makedirs(args.out, exist_ok=True)
     for impl in args.impls.split(","):
         stem = os.path.join(args.out, f"{args.model}-{args.hidden}-{args.tokens}-{args.pass_}-{impl}")
         torch.compiler.reset()
         with mb.implementation(model, impl) as (_, step_context), step_context():
-            steps = mb.Steps(mb._compile(model, "default", "inductor"), model, ids, False,
-                             [m.weight for m in mb.norm_modules(model)])
+            steps = mb.Steps(mb._compile(model, "default", "inductor"), model, ids, False, weights)
             _, codes = run_and_get_code(steps.first, args.pass_)
             with open(stem + ".py", "w") as f:
                 f.write(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}\n")

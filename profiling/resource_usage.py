@@ -77,7 +77,7 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
     if backward:
         if merge is None:
             merge = launch.merged_partials(row_groups(m, cfg)[0], m, n, dtype)
-        common |= dict(HAS_DRES=residual, STAGES=cfg.stages, MERGE=merge)
+        common |= dict(HAS_DRES=residual, STAGES=cfg.stages, MERGE=merge, DY_TERMS=1)
         if cfg.split > 1:
             return common | dict(SPLIT=cfg.split, PHASE=0, INTERLEAVE=cfg.interleave)
         return common | dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload,

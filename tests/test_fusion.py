@@ -9,6 +9,7 @@ import operator
 
 import pytest
 import torch
+from checks import compiling_afresh
 from tolerances import MODEL
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
@@ -144,16 +145,208 @@ def test_what_is_rewritten(name, f, fused):
     torch.testing.assert_close(got, want)
 
 
-def test_the_pass_pickles_into_inductors_cache_key():
-    """Inductor pickles its config into the graph cache's key: the pass pickles (by reference to
-    a module-level rebuild), and its pickled bytes follow the rewrite's on/off state."""
+@pytest.mark.parametrize("stage", ["pre_grad", "post_grad"])
+def test_the_pass_pickles_into_inductors_cache_key(stage):
+    """Inductor pickles its config into the graph cache's key: each stage's pass pickles (by
+    reference to a module-level rebuild), and its pickled bytes follow its rewrite's on/off state."""
     import pickle
 
-    p = fusion.residual_fusion_pass_class()(None)
+    p = fusion.fusion_pass_class()(stage)
     on = pickle.dumps(p)
-    assert type(pickle.loads(on)).__name__ == "ResidualFusionPass"
-    fusion.set_residual_fusion(False)
+    rebuilt = pickle.loads(on)
+    assert type(rebuilt).__name__ == "FusionPass" and rebuilt.stage == stage
+    setting = fusion.set_residual_fusion if stage == "pre_grad" else fusion.set_gradient_fusion
+    setting(False)
     try:
         assert pickle.dumps(p) != on
     finally:
-        fusion.set_residual_fusion(None)
+        setting(None)
+
+
+def test_install_sets_both_passes_once():
+    from torch._inductor import config
+
+    fusion.install()
+    fusion.install()
+    for option, stage in (("pre_grad_custom_pass", "pre_grad"), ("post_grad_custom_post_pass", "post_grad")):
+        current = getattr(config, option)
+        assert isinstance(current, fusion.fusion_pass_class()) and current.stage == stage
+        assert not isinstance(current.then, fusion.fusion_pass_class())
+
+
+# --- the gradient-sum rewrite, on backward graphs as AOTAutograd records CUDA launches --------
+
+
+class _BackwardGraph:
+    """A post-grad graph: placeholders with fake values, adds, and a functional launch of one of
+    our backward kernels whose ``DY`` (and the ``DY2``/``DY3`` stand-ins) is ``dy``."""
+
+    def __init__(self):
+        from torch._subclasses import FakeTensorMode
+
+        self.mode = FakeTensorMode()
+        self.graph = torch.fx.Graph()
+
+    def tensor(self, name, shape=(4, 8), dtype=torch.bfloat16, stride=None):
+        node = self.graph.placeholder(name)
+        with self.mode:
+            node.meta["val"] = torch.empty_strided(shape, stride or torch.empty(shape).stride(), dtype=dtype)
+        return node
+
+    def add(self, a, b, **kwargs):
+        node = self.graph.call_function(torch.ops.aten.add.Tensor, (a, b), kwargs)
+        with self.mode:
+            node.meta["val"] = torch.ops.aten.add.Tensor(a.meta["val"], b.meta["val"], **kwargs)
+        return node
+
+    def launch(self, dy, kernel="_rms_norm_bwd_rows", **more):
+        from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+        from torch_rmsnorm_op import _torch_compat, kernels
+
+        x = self.tensor("x")
+        node = self.graph.call_function(_torch_compat.triton_kernel_wrapper_functional(), (), dict(
+            kernel_idx=kernel_side_table.add_kernel(getattr(kernels, kernel)),
+            constant_args_idx=kernel_side_table.add_constant_args({}), grid=[(1, 1, 1)], tma_descriptor_metadata={},
+            kwargs={"DY": dy, "DY2": dy, "DY3": dy, "X": x, "DY_TERMS": 1, **more}, tensors_to_clone=["DX"]))
+        self.graph.output(node)
+        return node
+
+
+def _adds(graph):
+    return [n for n in graph.nodes if n.target is torch.ops.aten.add.Tensor]
+
+
+@pytest.mark.parametrize("kernel", ["_rms_norm_bwd_rows", "_rms_norm_bwd_split"])
+def test_gradient_sums_move_into_the_backward_kernel(kernel):
+    """``(a + b) + c`` and ``c + (a + b)`` (q, k, v projections' gradients), ``a + b`` (gate and
+    up): the launch reads the terms, in the order torch added them, and the adds are gone."""
+    for shape in ("chain", "nested", "pair"):
+        g = _BackwardGraph()
+        a, b, c = (g.tensor(n) for n in "abc")
+        if shape == "chain":
+            dy = g.add(g.add(a, b), c)
+        elif shape == "nested":
+            dy = g.add(c, g.add(a, b))
+        else:
+            dy = g.add(a, b)
+        launch = g.launch(dy, kernel)
+        assert fusion.fuse_gradient_sums(g.graph) == 1
+        kw = launch.kwargs["kwargs"]
+        want = (a, b, c, 3) if shape != "pair" else (a, b, a, 2)
+        assert (kw["DY"], kw["DY2"], kw["DY3"], kw["DY_TERMS"]) == want, shape
+        assert not _adds(g.graph)
+        g.graph.lint()
+
+
+def test_a_summing_launch_takes_half_the_rows_per_tile():
+    """``launch.summed_gradient_consts``: the rows kernel's tile loses half its rows (registers for
+    the terms), its dweight accumulator with it where it has a row per tile row."""
+    for acc_rows, want_acc in ((4, 2), (1, 1)):
+        g = _BackwardGraph()
+        launch = g.launch(g.add(g.tensor("a"), g.tensor("b")), ROWS=4, ACC_ROWS=acc_rows)
+        assert fusion.fuse_gradient_sums(g.graph) == 1
+        kw = launch.kwargs["kwargs"]
+        assert (kw["DY_TERMS"], kw["ROWS"], kw["ACC_ROWS"]) == (2, 2, want_acc)
+    g = _BackwardGraph()  # constexprs the side table holds change there
+    launch = g.launch(g.add(g.tensor("a"), g.tensor("b")))
+    from torch_rmsnorm_op import _torch_compat
+
+    kwargs = {k: v for k, v in launch.kwargs["kwargs"].items() if k != "DY_TERMS"}
+    launch.kwargs = dict(launch.kwargs, kwargs=kwargs, constant_args_idx=_torch_compat.with_constant_args(
+        launch.kwargs["constant_args_idx"], DY_TERMS=1))
+    assert fusion.fuse_gradient_sums(g.graph) == 1
+    assert _torch_compat.constant_args(launch.kwargs["constant_args_idx"])["DY_TERMS"] == 2
+    assert "DY_TERMS" not in launch.kwargs["kwargs"]
+
+
+def test_gradient_sums_stay_where_the_kernel_would_add_differently():
+    """Nothing moves where the kernel's sum could differ from torch's or the sum is needed
+    elsewhere: mixed dtypes, a broadcast, other strides, an alpha, a second user, another launch
+    argument, a launch that already sums. Of ``(a + b) + (c + d)`` the kernel takes a, b and the
+    sum ``c + d`` (the same bits as torch's)."""
+    cases = {}
+    g = _BackwardGraph()
+    cases["dtype"] = g, g.launch(g.add(g.tensor("a"), g.tensor("b", dtype=torch.float32)))
+    g = _BackwardGraph()
+    cases["broadcast"] = g, g.launch(g.add(g.tensor("a"), g.tensor("b", shape=(8,))))
+    g = _BackwardGraph()
+    cases["strides"] = g, g.launch(g.add(g.tensor("a"), g.tensor("b", stride=(1, 4))))
+    g = _BackwardGraph()
+    cases["alpha"] = g, g.launch(g.add(g.tensor("a"), g.tensor("b"), alpha=2))
+    g = _BackwardGraph()
+    dy = g.add(g.tensor("a"), g.tensor("b"))
+    g.graph.call_function(torch.ops.aten.neg.default, (dy,))
+    cases["second user"] = g, g.launch(dy)
+    g = _BackwardGraph()
+    a, b, c, d = (g.tensor(n) for n in "abcd")
+    cases["four terms"] = g, g.launch(g.add(g.add(a, b), g.add(c, d)))
+    four = c, d
+    g = _BackwardGraph()
+    dy = g.add(g.tensor("a"), g.tensor("b"))
+    cases["another argument"] = g, g.launch(dy, DRES=dy)
+    g = _BackwardGraph()
+    cases["already summed"] = g, g.launch(g.add(g.tensor("a"), g.tensor("b")), DY_TERMS=2)
+    for name, (g, launch) in cases.items():
+        adds = len(_adds(g.graph))
+        fused = fusion.fuse_gradient_sums(g.graph)
+        if name == "four terms":  # (a + b) + (c + d): a, b and the sum c + d, which stays in the graph
+            assert fused == 1 and launch.kwargs["kwargs"]["DY_TERMS"] == 3, name
+            assert [n.args for n in _adds(g.graph)] == [four], name
+            continue
+        assert fused == 0 and len(_adds(g.graph)) == adds, name
+
+
+def test_gradient_sums_leave_other_launches_alone():
+    g = _BackwardGraph()
+    dy = g.add(g.tensor("a"), g.tensor("b"))
+    g.launch(dy, "_rms_norm_fwd_rows")
+    assert fusion.fuse_gradient_sums(g.graph) == 0 and len(_adds(g.graph)) == 1
+
+
+def test_gradient_fusion_switch(monkeypatch):
+    fusion.set_gradient_fusion(None)
+    monkeypatch.setenv(fusion.GRAD_ENV_VAR, "0")
+    assert not fusion.gradient_fusion_enabled()
+    fusion.set_gradient_fusion(True)
+    try:
+        assert fusion.gradient_fusion_enabled()
+    finally:
+        fusion.set_gradient_fusion(None)
+    g = _BackwardGraph()
+    g.launch(g.add(g.tensor("a"), g.tensor("b")))
+    fusion.fusion_pass_class()("post_grad")(g.graph)  # off by the environment: nothing moves
+    assert len(_adds(g.graph)) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch):
+    """A patched bf16 decoder compiled with Inductor on CUDA: in each layer the attention norm's
+    backward sums the q, k and v projections' gradients and the MLP norm's the gate and up
+    projections' (two launches a layer take their sums); the loss and every gradient are the
+    bits of the same model compiled with the rewrite off."""
+    layers = 2
+    base = _tiny(family, layers).cuda().to(torch.bfloat16).train()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    counts = []
+    real = fusion.fuse_gradient_sums
+    monkeypatch.setattr(fusion, "fuse_gradient_sums", lambda graph: counts.append(real(graph)) or counts[-1])
+    results = []
+    for enabled in (True, False):
+        fusion.set_gradient_fusion(enabled)
+        counts.clear()
+        model = copy.deepcopy(base)
+        T.patch_rmsnorm(model)
+        try:
+            with compiling_afresh(), T.fallback_policy("error"):
+                loss = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+                loss.backward()
+        finally:
+            fusion.set_gradient_fusion(None)
+        results.append((loss.detach(), [p.grad for p in model.parameters()]))
+        assert sum(counts) == (2 * layers if enabled else 0), counts
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    assert torch.equal(loss_on, loss_off)
+    for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):
+        assert torch.equal(a, b), name

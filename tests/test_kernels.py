@@ -114,3 +114,34 @@ def test_backward_is_bitwise_deterministic(device, strategy):
         launch.backward(plan, dy, x, w, rstd, dx, dw)
         outs.append((dx, dw))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("strategy", ["rows", "split"])
+@pytest.mark.parametrize("terms", [2, 3])
+def test_backward_sums_its_gradient_terms(device, strategy, terms):
+    """``dy_terms``: the kernel adds the gradient's terms as Inductor's fused sum does (in fp32,
+    rounded once to bf16), so dx and dweight are the bits of a backward given that sum; and
+    with the tile rows ``launch.summed_gradient_consts`` gives a compiled launch."""
+    x = torch.randn(18, 60, device=device, dtype=torch.bfloat16)
+    w = torch.randn(60, device=device, dtype=torch.bfloat16)
+    parts = [torch.randn(x.shape, device=device, dtype=x.dtype) for _ in range(terms)]
+    total = sum(p.float() for p in parts).to(x.dtype)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dataclasses.replace(dispatch.backward_plan(x, w, x.dtype), cfg=BACKWARD[strategy])
+    outs = []
+    for dy, more in ((total, ()), (parts[0], tuple(parts[1:]))):
+        dx, dw = _poison(x.shape, x.dtype, device), _poison(w.shape, w.dtype, device)
+        launch.backward(plan, dy, x, w, rstd, dx, dw, dy_terms=more)
+        outs.append((dx, dw))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_backward_rejects_unlike_gradient_terms(device):
+    x = torch.randn(4, 8, device=device)
+    w, dy = torch.randn(8, device=device), torch.randn(4, 8, device=device)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dispatch.backward_plan(x, w, dy.dtype)
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    for more in ((dy.double(),), (torch.randn(8, 4, device=device).t(),), (dy, dy, dy)):
+        with pytest.raises(ValueError, match="dy_terms"):
+            launch.backward(plan, dy, x, w, rstd, dx, dw, dy_terms=more)

@@ -11,7 +11,11 @@ the job. Checked on torch 2.11 and 2.13.
 - ``register_triton_kernels(op, kernels)``: the kernels' source joins AOTAutograd's cache key
   for graphs that call the op (as ``torch.library.triton_op`` registers its own);
 - ``recording_graph()``: whether a graph is being recorded (``make_fx``'s proxy mode), which
-  tells AOTAutograd's graph trace from its metadata pass over the same forward.
+  tells AOTAutograd's graph trace from its metadata pass over the same forward;
+- ``triton_kernel_wrapper_functional()``, ``traced_triton_kernel(idx)``,
+  ``constant_args(idx)`` and ``with_constant_args(idx, **more)``: the node a traced Triton
+  launch is in a post-grad graph, the kernel it launches, and its constant arguments, as they
+  are and with changes (the kernel side table), for ``fusion.fuse_gradient_sums``.
 """
 
 from __future__ import annotations
@@ -22,11 +26,15 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 __all__ = [
     "FunctionalTensorMode",
+    "constant_args",
     "decomposing_custom_triton_ops",
     "dispatcher_has_nothing_to_do",
     "functorch_transform",
     "recording_graph",
     "register_triton_kernels",
+    "traced_triton_kernel",
+    "triton_kernel_wrapper_functional",
+    "with_constant_args",
 ]
 
 
@@ -66,3 +74,31 @@ def recording_graph() -> bool:
     """Whether ``make_fx``'s proxy mode is active: a graph is being recorded. AOTAutograd first
     runs a forward without it, to collect the outputs' metadata, then records the graph."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
+def triton_kernel_wrapper_functional():
+    """The higher-order op of a functional Triton launch in AOTAutograd's graphs."""
+    from torch._higher_order_ops.triton_kernel_wrap import triton_kernel_wrapper_functional as op
+
+    return op
+
+
+def traced_triton_kernel(kernel_idx: int):
+    """The Triton kernel a traced launch names by ``kernel_idx``."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return kernel_side_table.get_kernel(kernel_idx)
+
+
+def constant_args(constant_args_idx: int) -> dict:
+    """A traced launch's constant arguments (those the graph cannot hold as values)."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return kernel_side_table.get_constant_args(constant_args_idx)
+
+
+def with_constant_args(constant_args_idx: int, **more) -> int:
+    """The index of a traced launch's constant arguments (``constant_args_idx``) with ``more``."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    return kernel_side_table.add_constant_args({**kernel_side_table.get_constant_args(constant_args_idx), **more})

@@ -1,5 +1,13 @@
-"""The compile-time rewrite that fuses a residual add into the norm after it.
+"""The compile-time rewrites that fuse the adds around a norm into its kernels.
 
+Two rewrites, both on by default for models patched with ``patch_rmsnorm`` and compiled with
+Inductor:
+
+- the residual add before a norm, into its forward (``fuse_residual_adds``, below);
+- the sum of the gradients that reach a norm's output, into its backward
+  (``fuse_gradient_sums``, after the first).
+
+**Residual adds.**
 Decoder layers write ``hidden = residual + hidden`` and normalize the sum; stock Inductor fuses
 that add into its norm kernel, and an opaque norm op would take the fusion away (the add then
 costs a pass of its own, forward and backward). When a model whose RMSNorms call
@@ -17,11 +25,25 @@ whose result feeds the norm directly. The fused op computes the sum as torch doe
 rounded to the promoted dtype) and normalizes it with the same kernel configuration as the
 unfused op, so y and the sum are the same bits either way.
 
-The pass runs as Inductor's ``pre_grad_custom_pass`` (a ``CustomGraphPass`` with a ``uuid()``,
-so compiled graphs stay cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or
-``install()``, chained with any pass already set. Turn it off with
-``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``; it acts on graphs compiled
-after that. ``aot_eager`` and other backends that run no Inductor passes see no rewrite.
+The pass runs as Inductor's ``pre_grad_custom_pass``. Turn it off with
+``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``.
+
+**Gradient sums.** A norm's output usually feeds several ops: the q, k and v projections, or
+the MLP's gate and up projections. Autograd sums their gradients (``add(add(dq, dk), dv)``)
+before the norm's backward reads the sum; stock Inductor fuses that sum into its own norm
+backward, so without this rewrite the patched model would pay a pass over three tensors per
+site that stock does not. Where such a sum of two or three tensors feeds only the ``dy`` of
+our backward kernel (on CUDA, where the compiled graph launches the kernels itself), the pass
+hands the terms to the kernel (``DY``, ``DY2``, ``DY3``, ``DY_TERMS``), which adds them as torch
+does (each sum rounded to the gradient's dtype: the same bits), and the adds leave the graph.
+Only same-dtype, same-shape, same-strides terms are taken. The pass runs as Inductor's
+``post_grad_custom_post_pass``, on the backward graph AOTAutograd has partitioned. Turn it off
+with ``set_gradient_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
+
+Both passes are ``CustomGraphPass`` objects with a ``uuid()`` (compiled graphs stay
+cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or ``install()``, chained with any
+pass already set; a setting acts on graphs compiled after it. ``aot_eager`` and other backends
+that run no Inductor passes see no rewrite.
 """
 
 from __future__ import annotations
@@ -37,22 +59,36 @@ from torch.fx import Graph, Node
 from torch_rmsnorm_op.fallback import log
 
 ENV_VAR = "TORCH_RMSNORM_OP_FUSE_ADD"
+GRAD_ENV_VAR = "TORCH_RMSNORM_OP_FUSE_GRAD"
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ADDS = (operator.add, torch.add, torch.Tensor.add)
-_enabled: bool | None = None  # None: the environment variable, else on
+_enabled: dict[str, bool | None] = {ENV_VAR: None, GRAD_ENV_VAR: None}  # None: the environment variable
+
+
+def _setting(var: str) -> bool:
+    if _enabled[var] is not None:
+        return _enabled[var]
+    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def set_residual_fusion(enabled: bool | None) -> None:
     """Turn the residual-add rewrite on or off for graphs compiled from now on; ``None``
     returns to ``$TORCH_RMSNORM_OP_FUSE_ADD`` (default: on)."""
-    global _enabled
-    _enabled = enabled
+    _enabled[ENV_VAR] = enabled
 
 
 def residual_fusion_enabled() -> bool:
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+    return _setting(ENV_VAR)
+
+
+def set_gradient_fusion(enabled: bool | None) -> None:
+    """Turn the gradient-sum rewrite on or off for graphs compiled from now on; ``None``
+    returns to ``$TORCH_RMSNORM_OP_FUSE_GRAD`` (default: on)."""
+    _enabled[GRAD_ENV_VAR] = enabled
+
+
+def gradient_fusion_enabled() -> bool:
+    return _setting(GRAD_ENV_VAR)
 
 
 def _is_norm(node: Node) -> bool:
@@ -145,55 +181,157 @@ def fuse_residual_adds(graph: Graph) -> int:
     return count
 
 
+# --- gradient sums -------------------------------------------------------------------------
+
+_BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_split")
+_DY_KEYS = ("DY", "DY2", "DY3")
+
+
+def _backward_launch(node: Node) -> bool:
+    """Whether ``node`` launches one of our backward kernels (a functional Triton kernel wrapper,
+    as AOTAutograd records the launches on CUDA)."""
+    from torch_rmsnorm_op import _torch_compat
+
+    if node.op != "call_function" or node.target is not _torch_compat.triton_kernel_wrapper_functional():
+        return False
+    kernel = _torch_compat.traced_triton_kernel(node.kwargs["kernel_idx"])
+    return getattr(getattr(kernel, "fn", None), "__name__", None) in _BACKWARD_KERNELS
+
+
+def _plain_add(node: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
+    """``node`` is an ``aten.add.Tensor`` of two tensors (alpha 1) with one user, all of
+    ``dtype`` and of ``like``'s shape and strides."""
+    if not (isinstance(node, Node) and node.op == "call_function" and node.target is torch.ops.aten.add.Tensor):
+        return False
+    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or len(node.users) != 1:
+        return False
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    for value in (_value(node), *(_value(a) for a in node.args)):
+        if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device != like.device:
+            return False
+        if value.dim() != like.dim() or not all(
+                statically_known_true(a == b) for a, b in zip((*value.shape, *value.stride()),
+                                                              (*like.shape, *like.stride()))):
+            return False
+    return True
+
+
+def _gradient_terms(dy: Node) -> list[Node] | None:
+    """The tensors whose sum ``dy`` is, when it is a plain sum of two or three; else None."""
+    like = _value(dy)
+    if not isinstance(like, torch.Tensor) or like.dtype not in _FUSABLE_DTYPES or not _plain_add(dy, like.dtype, like):
+        return None
+    a, b = dy.args
+    for inner, other in ((a, b), (b, a)):
+        if _plain_add(inner, like.dtype, like):
+            return [*inner.args, other]
+    return [a, b]
+
+
+def fuse_gradient_sums(graph: Graph) -> int:
+    """Hand every plain sum of two or three gradients that feeds only the ``dy`` of one of our
+    backward kernels' launches in ``graph`` to the kernel (``launch.summed_gradient_consts``),
+    erasing the adds; returns how many launches now sum their gradient. Leaves every other node
+    as it is."""
+    from torch_rmsnorm_op import _torch_compat
+    from torch_rmsnorm_op.launch import summed_gradient_consts
+
+    count = 0
+    for node in list(graph.nodes):
+        if not _backward_launch(node):
+            continue
+        kwargs = dict(node.kwargs["kwargs"])
+        # Constexprs are graph arguments where they are plain values, else in the side table.
+        idx = node.kwargs["constant_args_idx"]
+        constants = _torch_compat.constant_args(idx)
+        dy = kwargs.get("DY")
+        if {**constants, **kwargs}.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
+            continue
+        if any(v is dy for k, v in kwargs.items() if k not in _DY_KEYS):
+            continue  # the sum is also another argument of the launch
+        terms = _gradient_terms(dy) if isinstance(dy, Node) else None
+        if terms is None:
+            continue
+        kwargs.update(zip(_DY_KEYS, (*terms, terms[0])[:3]))
+        changes = summed_gradient_consts({**constants, **kwargs}, len(terms))
+        kwargs.update({k: v for k, v in changes.items() if k not in constants})
+        moved = {k: v for k, v in changes.items() if k in constants}
+        if moved:
+            idx = _torch_compat.with_constant_args(idx, **moved)
+        node.kwargs = dict(node.kwargs, kwargs=kwargs, constant_args_idx=idx)
+        inner = [a for a in dy.args if isinstance(a, Node) and a not in terms]
+        graph.erase_node(dy)
+        for add in inner:
+            graph.erase_node(add)
+        count += 1
+    if count:
+        graph.lint()
+        log.debug("summed %d gradient(s) in rmsnorm backward kernels", count)
+    return count
+
+
+# --- Inductor passes -------------------------------------------------------------------------
+
+# stage: (Inductor's option, the rewrite's name in this module, whether it is on)
+_STAGES = {"pre_grad": ("pre_grad_custom_pass", "fuse_residual_adds", residual_fusion_enabled),
+           "post_grad": ("post_grad_custom_post_pass", "fuse_gradient_sums", gradient_fusion_enabled)}
+
+
 @functools.cache
-def residual_fusion_pass_class() -> type:
-    """``ResidualFusionPass``: Inductor's ``CustomGraphPass`` (defined on first use, so that
-    importing the package does not import Inductor)."""
+def fusion_pass_class() -> type:
+    """``FusionPass``: Inductor's ``CustomGraphPass`` (defined on first use, so that importing
+    the package does not import Inductor)."""
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    class ResidualFusionPass(CustomGraphPass):
-        """Inductor ``pre_grad_custom_pass``: ``fuse_residual_adds`` when the rewrite is on, then
-        the pass that was installed before it (if any)."""
+    class FusionPass(CustomGraphPass):
+        """One stage's rewrite: at ``"pre_grad"`` (Inductor's ``pre_grad_custom_pass``)
+        ``fuse_residual_adds``, at ``"post_grad"`` (``post_grad_custom_post_pass``)
+        ``fuse_gradient_sums``, when it is on; then the pass that was installed before it (if
+        any)."""
 
-        def __init__(self, then=None) -> None:
-            self.then = then
+        def __init__(self, stage: str, then=None) -> None:
+            self.stage, self.then = stage, then
 
         def __call__(self, graph: Graph) -> None:
-            if residual_fusion_enabled():
-                fuse_residual_adds(graph)
-            if self.then is not None:
-                self.then(graph)
+            _, rewrite, enabled = _STAGES[self.stage]
+            if enabled():
+                globals()[rewrite](graph)
+            for then in (self.then if isinstance(self.then, (list, tuple)) else (self.then,)):
+                if then is not None:
+                    then(graph)
 
         def uuid(self) -> bytes:
             h = hashlib.sha256()
             with open(__file__, "rb") as f:
                 h.update(f.read())
-            h.update(b"on" if residual_fusion_enabled() else b"off")
-            then = getattr(self.then, "uuid", None)
-            if self.then is not None:
-                h.update(then() if callable(then) else repr(self.then).encode())
+            h.update(f"{self.stage} {'on' if _STAGES[self.stage][2]() else 'off'}".encode())
+            for then in (self.then if isinstance(self.then, (list, tuple)) else (self.then,)):
+                if then is not None:
+                    uuid = getattr(then, "uuid", None)
+                    h.update(uuid() if callable(uuid) else repr(then).encode())
             return h.digest()
 
         def __reduce__(self):
             # Inductor pickles its config into the compile cache's key: a class defined in a
             # function pickles by reference to a module-level rebuild, its uuid in the key.
-            return _rebuild_pass, (self.then, self.uuid())
+            return _rebuild_pass, (self.stage, self.then, self.uuid())
 
-    return ResidualFusionPass
+    return FusionPass
 
 
-def _rebuild_pass(then, uuid: bytes):
-    """Unpickle a ``ResidualFusionPass`` (``uuid``: the one it had, part of the pickled key)."""
-    return residual_fusion_pass_class()(then)
+def _rebuild_pass(stage: str, then, uuid: bytes):
+    """Unpickle a ``FusionPass`` (``uuid``: the one it had, part of the pickled key)."""
+    return fusion_pass_class()(stage, then)
 
 
 def install() -> None:
-    """Install the rewrite as Inductor's ``pre_grad_custom_pass`` (once; chained with a pass
-    already set). Graphs compiled afterwards are rewritten where the rewrite is enabled."""
+    """Install both rewrites as Inductor's custom passes (once each; chained with a pass already
+    set). Graphs compiled afterwards are rewritten where each rewrite is enabled."""
     from torch._inductor import config
 
-    cls = residual_fusion_pass_class()
-    current = config.pre_grad_custom_pass
-    if isinstance(current, cls):
-        return
-    config.pre_grad_custom_pass = cls(current)
+    cls = fusion_pass_class()
+    for stage, (option, _, _) in _STAGES.items():
+        current = getattr(config, option)
+        if not (isinstance(current, cls) and current.stage == stage):
+            setattr(config, option, cls(stage, current))

@@ -234,21 +234,41 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
     if cfg.split > 1:
         out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
-                   WEIGHT_OFFSET=weight_offset)
+                   WEIGHT_OFFSET=weight_offset, DY_TERMS=1)
     else:
         out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
-                   MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes))
+                   MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes),
+                   DY_TERMS=1)
     return MappingProxyType(out)
+
+
+def summed_gradient_consts(consts: Mapping, terms: int) -> dict:
+    """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
+    gradient tensors: ``DY_TERMS``, and for the rows kernel half the rows per tile (at least 1),
+    which leaves registers for the terms' loads. The rows per group, a multiple of ROWS, stay
+    a multiple of the new ROWS (rows per tile are powers of two), so the grid and the dweight
+    partials of the launch stay as they are."""
+    out = {"DY_TERMS": terms}
+    if "ROWS" in consts and consts["ROWS"] > 1:
+        out["ROWS"] = consts["ROWS"] // 2
+        if consts["ACC_ROWS"] == consts["ROWS"]:
+            out["ACC_ROWS"] = out["ROWS"]
+    return out
 
 
 def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, dx: Tensor,
              dweight: Tensor | None, dres: Tensor | None = None, workspace: Tensor | None = None,
-             traced: bool = False, kernels: ModuleType | None = None) -> None:
+             traced: bool = False, kernels: ModuleType | None = None, dy_terms: tuple[Tensor, ...] = ()) -> None:
     """Write ``dx`` (plus ``dres``, the gradient that reached the forward's residual sum, if
     given) and, with a weight, ``dweight`` [N], as ``plan`` says (M, N >= 1). ``x`` is addressed
     by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
-    ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None."""
+    ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
+    ``dy_terms``: up to two more tensors of dy's dtype and strides; the gradient is then their
+    sum with dy, in fp32, rounded once to dy's dtype (what the backward of a norm whose output
+    feeds several ops receives; ``fusion.fuse_gradient_sums`` passes them)."""
+    if len(dy_terms) > 2 or any(t.dtype != dy.dtype or t.stride() != dy.stride() for t in dy_terms):
+        raise ValueError("dy_terms: at most 2 tensors, of dy's dtype and strides")
     cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
     device = x.device
     groups, rows_per_group = row_groups(m, n, device, cfg)
@@ -268,11 +288,15 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     placeholder = x  # pointers the kernel does not read under its constexprs
-    ptrs = [dy, x, placeholder if weight is None else weight, rstd, dx, placeholder if dres is None else dres,
-            placeholder if partial is None else partial, placeholder if flags is None else flags]
+    terms = (*dy_terms, dy, dy)[:2]  # dy stands in for the terms the kernel does not read
+    ptrs = [dy, *terms, x, placeholder if weight is None else weight, rstd, dx,
+            placeholder if dres is None else dres, placeholder if partial is None else partial,
+            placeholder if flags is None else flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize)
+    if dy_terms:
+        consts = {**consts, **summed_gradient_consts(consts, 1 + len(dy_terms))}
     k = kernels or _kernels()
     if cfg.split > 1:
         slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=device)

@@ -81,6 +81,20 @@ def _load_f32(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
+def _load_dy(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
+    """The upstream gradient at ``DY + offs``, in DY's dtype: DY's own, or with DY_TERMS 2 or 3
+    the sum of that many terms (DY, DY2, DY3 at the same offsets) as Inductor computes a sum of
+    gradients it fuses: in fp32, rounded once to DY's dtype."""
+    dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    if DY_TERMS > 1:
+        total = dy.to(tl.float32) + tl.load(DY2 + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        if DY_TERMS > 2:
+            total += tl.load(DY3 + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        dy = total.to(DY.dtype.element_ty)
+    return dy
+
+
+@triton.jit
 def _merge_partial(value, ROW, mask, FLAG):
     """Add this program's dweight partial ``value`` into its pair's row ``ROW``: the first of the
     two to claim ``FLAG`` (0: free, 1: claimed, 2: stored) stores its partial, the second adds

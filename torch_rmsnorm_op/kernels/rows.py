@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from torch_rmsnorm_op.kernels.common import (
+    _load_dy,
     _load_f32,
     _residual_sum,
     _row_offset,
@@ -87,6 +88,8 @@ def _rms_norm_fwd_rows(
 @triton.jit
 def _rms_norm_bwd_rows(
     DY,  # upstream gradient [M, N], row stride dy_stride
+    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1)
+    DY3,  # (read if DY_TERMS > 2)
     X,  # forward input [M, N], rows addressed by _row_offset
     W,  # weight [N] (read if HAS_WEIGHT)
     RSTD,  # [M] fp32, saved by the forward
@@ -116,6 +119,7 @@ def _rms_norm_bwd_rows(
     MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
     WEIGHT_OFFSET: tl.constexpr,
     ACC_ROWS: tl.constexpr,  # rows of the dweight accumulator: ROWS, or 1 (each tile summed as it goes)
+    DY_TERMS: tl.constexpr,  # dy is the sum of this many tensors (kernels.common._load_dy)
 ):
     group = tl.program_id(0).to(tl.int64)
     row_start = group * rows_per_group
@@ -139,9 +143,9 @@ def _rms_norm_bwd_rows(
         mask = (rows < row_end)[:, None] & col_mask[None, :]
         x_ptrs = X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None] \
             + cols[None, :]
-        dy_ptrs = DY + rows[:, None] * dy_stride + cols[None, :]
+        dy_offs = rows[:, None] * dy_stride + cols[None, :]
         x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
-        dy = _load_f32(dy_ptrs, mask, "evict_last" if RELOAD else "")
+        dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_last" if RELOAD else "", DY_TERMS).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
         u = dy
         if HAS_WEIGHT:
@@ -153,7 +157,7 @@ def _rms_norm_bwd_rows(
             # Rather than keep x and dy in registers across the row sum (Inductor's loops do
             # the same); another eviction policy, so the compiler cannot merge the loads.
             x = _load_f32(x_ptrs, mask, "evict_first")
-            dy = _load_f32(dy_ptrs, mask, "evict_first")
+            dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_first", DY_TERMS).to(tl.float32)
             u = dy
             if HAS_WEIGHT:
                 u = dy * w[None, :]

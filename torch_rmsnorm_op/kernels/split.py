@@ -23,6 +23,7 @@ import triton.language as tl
 
 from torch_rmsnorm_op.kernels.common import (
     _dot,
+    _load_dy,
     _residual_sum,
     _row_offset,
     _rstd,
@@ -192,18 +193,20 @@ def _rms_norm_fwd_split(
 
 
 @triton.jit
-def _bwd_chunks(X, DY, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride,
-                LEAD_DIMS: tl.constexpr):
+def _bwd_chunks(X, DY, DY2, DY3, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2,
+                dy_stride, LEAD_DIMS: tl.constexpr, DY_TERMS: tl.constexpr):
     """This program's chunks of x and dy in row ``row``, in their own dtypes."""
     x = tl.load(X + _row_offset(row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
                 mask=mask, other=0.0)
-    dy = tl.load(DY + row * dy_stride + offs, mask=mask, other=0.0)
+    dy = _load_dy(DY, DY2, DY3, row * dy_stride + offs, mask, "", DY_TERMS)
     return x, dy
 
 
 @triton.jit
 def _rms_norm_bwd_split(
     DY,  # upstream gradient [M, N], row stride dy_stride
+    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1)
+    DY3,  # (read if DY_TERMS > 2)
     X,  # forward input [M, N], rows addressed by _row_offset
     W,  # weight [N] (read if HAS_WEIGHT)
     RSTD,  # [M] fp32, saved by the forward
@@ -233,6 +236,7 @@ def _rms_norm_bwd_split(
     MERGE: tl.constexpr,
     INTERLEAVE: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,
+    DY_TERMS: tl.constexpr,  # dy is the sum of this many tensors (kernels.common._load_dy)
 ):
     # Every group walks rows_per_group rows; its rows past M are phantoms (nothing loaded or
     # stored) with slots of their own, so all SPLIT programs of a group still meet at each one.
@@ -243,12 +247,13 @@ def _rms_norm_bwd_split(
     chunk = pid % SPLIT
     row_start, step = _group_rows(group, rows_per_group, SPLIT, INTERLEAVE)
     start = chunk * BLOCK_N
-    X, DY, DX, DRES, W = X + start, DY + start, DX + start, DRES + start, W + start
+    X, DY, DY2, DY3 = X + start, DY + start, DY2 + start, DY3 + start
+    DX, DRES, W = DX + start, DRES + start, W + start
     offs = tl.arange(0, BLOCK_N)
     width = N - start  # of this chunk, may exceed BLOCK_N
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x0, dy0 = _bwd_chunks(X, DY, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs,
-                          x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS)
+    x0, dy0 = _bwd_chunks(X, DY, DY2, DY3, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs,
+                          x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
     w = 0.0
     if HAS_WEIGHT:
         w = _weight(tl.load(W + offs, mask=offs < width, other=0.0), WEIGHT_OFFSET)
@@ -256,8 +261,8 @@ def _rms_norm_bwd_split(
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = row_start + i * step
         next_row = row + step
-        x1, dy1 = _bwd_chunks(X, DY, next_row, _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group), offs,
-                              x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS)
+        x1, dy1 = _bwd_chunks(X, DY, DY2, DY3, next_row, _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group),
+                              offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
         # published within the group's rows only (past them: another group's row or no slot)
         dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, next_row, chunk,
                         SPLIT, PHASE)
