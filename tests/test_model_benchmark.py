@@ -108,6 +108,18 @@ def test_norm_byte_floor_by_hand():
         mb.norm_byte_floor(llama, 10, "backward")
 
 
+def test_norm_byte_floor_with_gradient_terms_by_hand():
+    """The same Llama (a site is 1280 bytes), its backward's dy read as the gradients it sums:
+    layer 0's input norm 3 terms + x + dx = 5; layer 1's input norm 3 + sum + its gradient + dx
+    = 6; the 2 post-attention norms 2 + 3 = 5 each; the final norm 1 + 3 = 4: 25 x 1280 = 32000.
+    Phi3's fused projections give every site one term: the floor without terms."""
+    llama = mb.ModelSpec("llama", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.norm_byte_floor(llama, 10, "train", with_grad_terms=True) == 23040 + 32000
+    assert mb.norm_byte_floor(llama, 10, "infer", with_grad_terms=True) == 23040
+    phi3 = mb.ModelSpec("phi3", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.norm_byte_floor(phi3, 10, "train", with_grad_terms=True) == mb.norm_byte_floor(phi3, 10, "train")
+
+
 @pytest.mark.parametrize("family", sorted(mb.FAMILIES))
 def test_norm_sites_match_the_models_modules(family):
     """The floor's site list has one site per RMSNorm module the transformers class builds, with its width."""

@@ -68,7 +68,11 @@ What each number is:
   ``norm_us`` over the copy ceiling ``copy_GBs`` (a 2 GiB bf16
   device-to-device copy, read + write counted, measured in the same run as
   ``tools/benchmark.py`` does): the first is meaningful for kernels that do
-  the residual add, the second for kernels that only normalize.
+  the residual add, the second for kernels that only normalize. Train rows also
+  give ``norm_floor_bytes_with_grad_terms`` / ``norm_pct_of_copy_with_grad_terms``:
+  the backward's dy read as the gradients it sums (three at an input norm, two
+  at a post-attention norm; ``NormSite.grad_terms``), for kernels that sum them
+  (stock Inductor's and ours with ``fusion.fuse_gradient_sums``).
 - Correctness against the reference: ``reference`` is ``stock`` (the stock
   compiled model in the same mode) for the other impls, ``eager`` (the
   uncompiled stock model) for stock itself. Train rows: ``loss``,
@@ -148,6 +152,9 @@ DEFAULT_MODELS = ("llama", "qwen3", "mistral")
 FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None}}
 # Families whose attention normalizes q and k per head (rows of head_dim).
 QK_NORM_FAMILIES = frozenset({"qwen3"})
+# Families whose attention and MLP inputs each feed one fused projection (qkv_proj, gate_up_proj):
+# their norms' outputs have one consumer, where the others' have three (q, k, v) and two (gate, up).
+FUSED_PROJECTION_FAMILIES = frozenset({"phi3"})
 
 VOCAB = 32000
 EPS = 1e-6
@@ -183,7 +190,7 @@ SMOKE_VOCAB = 256
 # differently at each norm (and Inductor fuses differently), and the difference grows with
 # depth; a wrong norm (a missing weight, a wrong eps or mean) is off by far more. The logits'
 # bound is what compiling alone moves 4 layers of random bf16 weights by: stock compiled
-# against eager, 1.8e-2 to 2.4e-2 on the H200 (profiling/results/2026-12-01-h200-models/).
+# against eager, 1.8e-2 to 2.4e-2 on the H200 (profiling/results/2026-12-01-h200-gradient-sums/).
 TOLERANCES: dict[str, float] = {
     "loss_rel": 5e-3,  # |loss - ref| / |ref|; the loss is computed in fp32 from bf16 logits
     "grad_rel_l2": 5e-2,  # ||g - g_ref|| / ||g_ref|| over all RMSNorm weights' gradients
@@ -238,13 +245,15 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class NormSite:
-    """``count`` RMSNorm sites normalizing ``rows`` x ``cols``; ``residual``: a residual add feeds it."""
+    """``count`` RMSNorm sites normalizing ``rows`` x ``cols``; ``residual``: a residual add feeds
+    it; ``grad_terms``: the ops its output feeds, whose gradients the backward receives summed."""
 
     name: str
     rows: int
     cols: int
     residual: bool
     count: int
+    grad_terms: int = 1
 
 
 def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
@@ -252,11 +261,16 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
 
     Layer 0's input norm reads the embedding; every other hidden-size norm (each layer's
     post-attention norm, the input norm of layers 1.., the final norm) reads a residual sum
-    the decoder has just formed. Qwen3 also normalizes q and k per head: rows of head_dim."""
+    the decoder has just formed. Qwen3 also normalizes q and k per head: rows of head_dim.
+    An input norm's output feeds the q, k and v projections, a post-attention norm's the MLP's
+    gate and up projections (one fused projection each in ``FUSED_PROJECTION_FAMILIES``), the
+    final norm's the LM head."""
+    attention, mlp = (1, 1) if spec.family in FUSED_PROJECTION_FAMILIES else (3, 2)
     sites = [
-        NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1),
-        NormSite("post_attention_layernorm, input_layernorm (layers 1..), norm", tokens, spec.hidden, True,
-                 2 * spec.layers),
+        NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
+        NormSite("input_layernorm (layers 1..)", tokens, spec.hidden, True, spec.layers - 1, attention),
+        NormSite("post_attention_layernorm", tokens, spec.hidden, True, spec.layers, mlp),
+        NormSite("norm", tokens, spec.hidden, True, 1),
     ]
     if spec.family in QK_NORM_FAMILIES:
         sites += [NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, spec.layers),
@@ -264,18 +278,23 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     return sites
 
 
-def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2, with_adds: bool = True) -> int:
+def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2, with_adds: bool = True,
+                    with_grad_terms: bool = False) -> int:
     """Least bytes all RMSNorm sites of one step move (``pass_``: ``"infer"`` forward, ``"train"``
     forward and backward). Per site of M x N elements of ``elem_bytes``: forward 2 (read x, write
     y), or 4 with the residual (read x and the residual, write y and the sum); backward 3 (read
     dy and x, write dx), or 4 with the residual (read dy, the sum and the sum's incoming
-    gradient, write dx). ``with_adds=False`` counts every site as plain."""
+    gradient, write dx). ``with_adds=False`` counts every site as plain. ``with_grad_terms``
+    counts dy as the gradients it sums (``NormSite.grad_terms``), each read: the backward's
+    floor where the sum of the projections' gradients is part of the norm's work (stock
+    Inductor fuses it into its norm backward, ``fusion.fuse_gradient_sums`` into ours)."""
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
     total = 0
     for site in norm_sites(spec, tokens):
         fused = with_adds and site.residual
-        per_element = (4 if fused else 2) + ((4 if fused else 3) if pass_ == "train" else 0)
+        dy = site.grad_terms if with_grad_terms else 1
+        per_element = (4 if fused else 2) + ((3 if fused else 2) + dy if pass_ == "train" else 0)
         total += site.count * per_element * site.rows * site.cols * elem_bytes
     return total
 
@@ -883,8 +902,11 @@ def _add_floor(row: dict, spec: ModelSpec, tokens: int, pass_: str, copy_gbs: fl
         return
     norm_us = sum(k["us"] for k in row["norm_kernels"].values())
     row["norm_us"] = round(norm_us, 2)
-    for suffix, with_adds in (("", True), ("_without_adds", False)):
-        floor = norm_byte_floor(spec, tokens, pass_, 2, with_adds)
+    for suffix, with_adds, with_terms in (("", True, False), ("_without_adds", False, False),
+                                          ("_with_grad_terms", True, True)):
+        if suffix == "_with_grad_terms" and pass_ != "train":
+            continue
+        floor = norm_byte_floor(spec, tokens, pass_, 2, with_adds, with_terms)
         row["norm_floor_bytes" + suffix] = floor
         if norm_us and row.get("gpu_ms") is not None:
             row["norm_pct_of_copy" + suffix] = round(100 * floor / (norm_us * 1e-6) / 1e9 / copy_gbs, 1)
