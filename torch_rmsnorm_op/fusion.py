@@ -34,9 +34,12 @@ before the norm's backward reads the sum; stock Inductor fuses that sum into its
 backward, so without this rewrite the patched model would pay a pass over three tensors per
 site that stock does not. Where such a sum of two or three tensors feeds only the ``dy`` of
 our backward kernel (on CUDA, where the compiled graph launches the kernels itself), the pass
-hands the terms to the kernel (``DY``, ``DY2``, ``DY3``, ``DY_TERMS``), which adds them as torch
-does (each sum rounded to the gradient's dtype: the same bits), and the adds leave the graph.
-Only same-dtype, same-shape, same-strides terms are taken. The pass runs as Inductor's
+hands the terms to the kernel (``DY``, ``DY2``, ``DY3``, ``DY_TERMS``), which adds them in fp32
+and rounds once to the gradient's dtype, as Inductor computes a sum it fuses, and the adds leave
+the graph: where the terms are tensors the graph materializes anyway (the projections' matmul
+outputs), the same bits as without the rewrite; a term that is itself a pointwise result,
+which Inductor could have fused into the sum unrounded, is rounded to its dtype first (as eager
+torch rounds it). Only same-dtype, same-shape, same-strides terms are taken. The pass runs as Inductor's
 ``post_grad_custom_post_pass``, on the backward graph AOTAutograd has partitioned. Turn it off
 with ``set_gradient_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 

@@ -246,9 +246,9 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
 def summed_gradient_consts(consts: Mapping, terms: int) -> dict:
     """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
     gradient tensors: ``DY_TERMS``, and for the rows kernel half the rows per tile (at least 1),
-    which leaves registers for the terms' loads. The rows per group, a multiple of ROWS, stay
-    a multiple of the new ROWS (rows per tile are powers of two), so the grid and the dweight
-    partials of the launch stay as they are."""
+    which leaves registers for the terms' loads. The grid, the rows per group and the dweight
+    partials of the launch stay as they are (the row loop masks a tile that crosses its group's
+    end)."""
     out = {"DY_TERMS": terms}
     if "ROWS" in consts and consts["ROWS"] > 1:
         out["ROWS"] = consts["ROWS"] // 2
