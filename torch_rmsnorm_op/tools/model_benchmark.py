@@ -52,8 +52,8 @@ What each number is:
   their whole time counts as the norm's. Not counted: memsets, and weight
   gradients reduced by kernels that hold neither marker (Liger's ``dW`` sum,
   Inductor's ``..._mul_sum`` reductions where the scheduler splits them off, and
-  the aten ``reduce_kernel`` sums and bf16 casts stock's Llama and Qwen3 training
-  graphs reduce them with: 124 µs of a Llama step at 4x2048 tokens,
+  the aten ``reduce_kernel`` sums and bf16 casts stock's Llama training
+  graph reduces them with: 124 µs of a step at 4x2048 tokens,
   profiling/results/2026-12-01-h200-gradient-sums/llama-train-stock-kernels.txt).
   ``norm_us`` is their sum.
 - ``norm_floor_bytes``: the least bytes all RMSNorm sites of one step must move
