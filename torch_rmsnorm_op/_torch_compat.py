@@ -101,4 +101,4 @@ def with_constant_args(constant_args_idx: int, **more) -> int:
     """The index of a traced launch's constant arguments (``constant_args_idx``) with ``more``."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    return kernel_side_table.add_constant_args({**kernel_side_table.get_constant_args(constant_args_idx), **more})
+    return kernel_side_table.add_constant_args({**constant_args(constant_args_idx), **more})

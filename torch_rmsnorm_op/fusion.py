@@ -248,8 +248,9 @@ def fuse_gradient_sums(graph: Graph) -> int:
         # Constexprs are graph arguments where they are plain values, else in the side table.
         idx = node.kwargs["constant_args_idx"]
         constants = _torch_compat.constant_args(idx)
+        constexprs = {**constants, **kwargs}
         dy = kwargs.get("DY")
-        if {**constants, **kwargs}.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
+        if constexprs.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
             continue
         if any(v is dy for k, v in kwargs.items() if k not in _DY_KEYS):
             continue  # the sum is also another argument of the launch
@@ -257,7 +258,7 @@ def fuse_gradient_sums(graph: Graph) -> int:
         if terms is None:
             continue
         kwargs.update(zip(_DY_KEYS, (*terms, terms[0])[:3]))
-        changes = summed_gradient_consts({**constants, **kwargs}, len(terms))
+        changes = summed_gradient_consts(constexprs, len(terms))
         kwargs.update({k: v for k, v in changes.items() if k not in constants})
         moved = {k: v for k, v in changes.items() if k in constants}
         if moved:
@@ -296,23 +297,26 @@ def fusion_pass_class() -> type:
         def __init__(self, stage: str, then=None) -> None:
             self.stage, self.then = stage, then
 
+        def _chained(self) -> tuple:
+            """The passes installed before this one (Inductor's option may hold a list)."""
+            then = self.then if isinstance(self.then, (list, tuple)) else (self.then,)
+            return tuple(p for p in then if p is not None)
+
         def __call__(self, graph: Graph) -> None:
             _, rewrite, enabled = _STAGES[self.stage]
             if enabled():
                 globals()[rewrite](graph)
-            for then in (self.then if isinstance(self.then, (list, tuple)) else (self.then,)):
-                if then is not None:
-                    then(graph)
+            for then in self._chained():
+                then(graph)
 
         def uuid(self) -> bytes:
             h = hashlib.sha256()
             with open(__file__, "rb") as f:
                 h.update(f.read())
             h.update(f"{self.stage} {'on' if _STAGES[self.stage][2]() else 'off'}".encode())
-            for then in (self.then if isinstance(self.then, (list, tuple)) else (self.then,)):
-                if then is not None:
-                    uuid = getattr(then, "uuid", None)
-                    h.update(uuid() if callable(uuid) else repr(then).encode())
+            for then in self._chained():
+                uuid = getattr(then, "uuid", None)
+                h.update(uuid() if callable(uuid) else repr(then).encode())
             return h.digest()
 
         def __reduce__(self):
