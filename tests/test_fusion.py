@@ -43,16 +43,22 @@ def _code(f, *args):
 def _fusion_on():
     fusion.install()
     fusion.set_residual_fusion(None)
+    fusion.set_epilogue_decomposition(None)
     yield
     fusion.set_residual_fusion(None)
+    fusion.set_epilogue_decomposition(None)
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
-def test_every_decoder_layer_fuses_its_residual_adds(family):
-    """A patched, compiled decoder: every norm after a residual add (each layer's
-    post-attention norm, the next layer's input norm, the final norm) runs as ``add_fwd``; the
-    first layer's input norm (after the embedding) and Qwen3's q/k norms as ``fwd``. Logits and
-    every gradient match the unpatched model."""
+@pytest.mark.parametrize("family,fused,plain", [("Llama", 4, 1), ("Qwen3", 4, 1), ("Olmo2", 1, 1)])
+def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain):
+    """A patched, compiled 2-layer decoder. Llama, Qwen3: every norm after a residual add (each
+    layer's post-attention norm, the next layer's input norm, the final norm) runs as
+    ``add_fwd``; the first layer's input norm (after the embedding) as ``fwd``; Qwen3's q/k
+    norms, read only by RoPE, as Inductor's own kernels (``decompose_epilogue_norms``). OLMo2
+    (norms after attention and MLP, q/k norms): the final norm takes the last residual add, so
+    the last MLP norm, which feeds that add, stays ``fwd``; every other norm is read by RoPE or
+    by a residual add alone and is Inductor's. Logits and every gradient match the unpatched
+    model."""
     layers = 2
     stock = _tiny(family, layers)
     patched = copy.deepcopy(stock)
@@ -60,7 +66,6 @@ def test_every_decoder_layer_fuses_its_residual_adds(family):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(patched, fullgraph=True)
     (out, code) = _code(lambda i: compiled(input_ids=i, labels=i), ids)
-    fused, plain = 2 * layers, 1 + (2 * layers if family == "Qwen3" else 0)
     FileCheck().check_count("torch.ops.rmsnorm.add_fwd.default(", fused, exactly=True).run(code)
     FileCheck().check_count("torch.ops.rmsnorm.fwd.default(", plain, exactly=True).run(code)
     want = stock(input_ids=ids, labels=ids)
@@ -145,6 +150,84 @@ def test_what_is_rewritten(name, f, fused):
     torch.testing.assert_close(got, want)
 
 
+def _rope(q, cos, sin):
+    half = q.shape[-1] // 2
+    return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
+
+W16 = torch.rand(16) + 0.5
+PROJ = torch.randn(16, 16)
+
+
+@pytest.mark.parametrize("name,f,left", [
+    ("RoPE after a transpose", lambda x, c, s: _rope(T.rms_norm(x, (16,), W16).transpose(1, 2), c, s), True),
+    ("cast and scale", lambda x, c, s: T.rms_norm(x, (16,), W16).float() * 2 + c[:, None], True),
+    ("a projection", lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x, (16,), W16), PROJ), False),
+    ("a view, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x, (16,), W16).reshape(-1, 16), PROJ), False),
+    ("RoPE and a projection", lambda x, c, s: (lambda y: (_rope(y.transpose(1, 2), c, s),
+                                                          torch.nn.functional.linear(y, PROJ)))(
+        T.rms_norm(x, (16,), W16)), False),
+    ("both from one norm", lambda x, c, s: (lambda y: (y * c[:, None], y @ PROJ))(T.rms_norm(x, (16,), W16)), False),
+    ("the graph's output", lambda x, c, s: T.rms_norm(x, (16,), W16), False),
+    ("a view as the output", lambda x, c, s: T.rms_norm(x, (16,), W16).transpose(1, 2), False),
+    ("gathered rows", lambda x, c, s: T.rms_norm(x, (16,), W16)[:, torch.tensor([0, 2])] * 2, False),
+])
+def test_which_norms_are_left_to_inductor(name, f, left):
+    """Only a norm whose output nothing but elementwise ops (through views) reads is replaced by
+    torch ops; the graph computes what it computed before."""
+    x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
+    gm, inputs = _graph(f, x, cos, sin)
+    want = gm(*inputs)
+    norms = sum(n.target is torch.ops.rmsnorm.fwd for n in gm.graph.nodes)
+    count = fusion.decompose_epilogue_norms(gm.graph)
+    gm.recompile()
+    assert count == (norms if left else 0), name
+    assert any(n.target is torch.ops.rmsnorm.fwd for n in gm.graph.nodes) is not left
+    torch.testing.assert_close(gm(*inputs), want, atol=1e-6, rtol=1e-5)
+
+
+def test_a_norm_read_by_a_fused_add_stays_ours():
+    """Gemma's post-attention norm: its output is added to the residual just before the next
+    norm. The residual rewrite runs first and takes that add, so the norm feeds ``add_fwd`` and
+    stays our kernel."""
+    def f(x, r):
+        return torch.nn.functional.linear(T.rms_norm(r + T.rms_norm(x, (16,), W16), (16,), W16), PROJ)
+
+    gm, inputs = _graph(f, torch.randn(4, 16), torch.randn(4, 16))
+    want = gm(*inputs)
+    assert fusion.rewrite_pre_grad(gm.graph) == 1
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes]
+    assert torch.ops.rmsnorm.add_fwd.default in targets and torch.ops.rmsnorm.fwd in targets
+    torch.testing.assert_close(gm(*inputs), want)
+
+
+@pytest.mark.parametrize("setting", ["function", "environment"])
+def test_leaving_norms_to_inductor_can_be_turned_off(setting, monkeypatch):
+    """Off (``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``),
+    a compiled Qwen3 runs its q/k norms as ``rmsnorm.fwd`` too; logits and gradients stay
+    within the tolerances of the model compiled with it on."""
+    layers = 1
+    model = _tiny("Qwen3", layers)
+    T.patch_rmsnorm(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for on in (True, False):
+        if setting == "function":
+            fusion.set_epilogue_decomposition(on)
+        else:
+            monkeypatch.setenv(fusion.EPILOGUE_ENV_VAR, "1" if on else "0")
+        assert fusion.epilogue_decomposition_enabled() is on
+        compiled = torch.compile(model, fullgraph=True)
+        out, code = _code(lambda i, f=compiled: f(input_ids=i, labels=i), ids)
+        FileCheck().check_count("torch.ops.rmsnorm.fwd.default(", 1 + (0 if on else 2 * layers), exactly=True).run(code)
+        results[on] = (out.logits, torch.autograd.grad(out.loss, list(model.parameters())))
+    torch.testing.assert_close(results[True][0], results[False][0], **MODEL[torch.float32])
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, **MODEL[torch.float32])
+
+
 @pytest.mark.parametrize("stage", ["pre_grad", "post_grad"])
 def test_the_pass_pickles_into_inductors_cache_key(stage):
     """Inductor pickles its config into the graph cache's key: each stage's pass pickles (by
@@ -155,12 +238,14 @@ def test_the_pass_pickles_into_inductors_cache_key(stage):
     on = pickle.dumps(p)
     rebuilt = pickle.loads(on)
     assert type(rebuilt).__name__ == "FusionPass" and rebuilt.stage == stage
-    setting = fusion.set_residual_fusion if stage == "pre_grad" else fusion.set_gradient_fusion
-    setting(False)
-    try:
-        assert pickle.dumps(p) != on
-    finally:
-        setting(None)
+    settings = ((fusion.set_residual_fusion, fusion.set_epilogue_decomposition) if stage == "pre_grad"
+                else (fusion.set_gradient_fusion,))
+    for setting in settings:
+        setting(False)
+        try:
+            assert pickle.dumps(p) != on
+        finally:
+            setting(None)
 
 
 def test_install_sets_both_passes_once():
@@ -350,3 +435,25 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
     assert torch.equal(loss_on, loss_off)
     for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.cuda
+def test_cuda_qwen3_head_norms_fuse_with_rope():
+    """A patched bf16 Qwen3 compiled with Inductor on CUDA: its q/k norms compile into
+    Inductor kernels that also apply RoPE (one kernel names both ``rsqrt`` and RoPE's ``cat``,
+    as in the stock model's code), while the other norms launch our kernels; the loss is within
+    the tolerance of the stock compiled model's."""
+    import re
+
+    layers = 2
+    stock = _tiny("Qwen3", layers).cuda().to(torch.bfloat16).train()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    with T.fallback_policy("error"):
+        out, code = _code(lambda i: torch.compile(patched, fullgraph=True)(input_ids=i, labels=i), ids)
+    assert re.search(r"def triton_\w*cat\w*rsqrt\w*\(", code), "no Inductor kernel fuses a norm with RoPE"
+    FileCheck().check("_rms_norm_fwd_rows").check_not("torch.ops.rmsnorm").run(code)
+    torch._dynamo.reset()
+    want = torch.compile(stock, fullgraph=True)(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, want.loss, **MODEL[torch.bfloat16])

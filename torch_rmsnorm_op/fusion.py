@@ -1,11 +1,13 @@
-"""The compile-time rewrites that fuse the adds around a norm into its kernels.
+"""The compile-time rewrites that fuse the ops around a norm with it.
 
-Two rewrites, both on by default for models patched with ``patch_rmsnorm`` and compiled with
+Three rewrites, all on by default for models patched with ``patch_rmsnorm`` and compiled with
 Inductor:
 
 - the residual add before a norm, into its forward (``fuse_residual_adds``, below);
+- a norm whose output only elementwise ops read, left to Inductor, which fuses it with them
+  (``decompose_epilogue_norms``);
 - the sum of the gradients that reach a norm's output, into its backward
-  (``fuse_gradient_sums``, after the first).
+  (``fuse_gradient_sums``).
 
 **Residual adds.**
 Decoder layers write ``hidden = residual + hidden`` and normalize the sum; stock Inductor fuses
@@ -28,6 +30,20 @@ unfused op, so y and the sum are the same bits either way.
 The pass runs as Inductor's ``pre_grad_custom_pass``. Turn it off with
 ``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``.
 
+**Norms left to Inductor.** Qwen3's (and Gemma3's, OLMo2's) q/k norms feed RoPE, a chain of
+elementwise ops that Inductor computes in the kernel of the reduction before it: stock Inductor
+reads the projection's output once and writes the rotated heads, where our kernel would write
+the normalized heads for a kernel of RoPE to read again, forward and backward. Where nothing
+but elementwise ops (through views) reads a norm's output (those q/k norms; OLMo2's norms
+after attention and MLP, which only the residual add reads), this rewrite puts the norm's own
+computation in torch ops (``reference.rms_norm_forward``) in the graph instead of the op, and
+Inductor compiles and fuses it as in the stock model: its kernels, not ours, with the stock
+model's numerics. A norm whose output any other op reads (a projection's matmul, our ops, the
+graph's output) stays ours; it runs after the residual rewrite, so a norm whose output feeds a
+fused add (Gemma's post-attention norms) stays ours too. Turn it off with
+``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in
+the same ``pre_grad_custom_pass``.
+
 **Gradient sums.** A norm's output usually feeds several ops: the q, k and v projections, or
 the MLP's gate and up projections. Autograd sums their gradients (``add(add(dq, dk), dv)``)
 before the norm's backward reads the sum; stock Inductor fuses that sum into its own norm
@@ -43,7 +59,7 @@ torch rounds it). Only same-dtype, same-shape, same-strides terms are taken. The
 ``post_grad_custom_post_pass``, on the backward graph AOTAutograd has partitioned. Turn it off
 with ``set_gradient_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 
-Both passes are ``CustomGraphPass`` objects with a ``uuid()`` (compiled graphs stay
+The passes are ``CustomGraphPass`` objects (one per stage) with a ``uuid()`` (compiled graphs stay
 cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or ``install()``, chained with any
 pass already set; a setting acts on graphs compiled after it. ``aot_eager`` and other backends
 that run no Inductor passes see no rewrite.
@@ -63,9 +79,11 @@ from torch_rmsnorm_op.fallback import log
 
 ENV_VAR = "TORCH_RMSNORM_OP_FUSE_ADD"
 GRAD_ENV_VAR = "TORCH_RMSNORM_OP_FUSE_GRAD"
+EPILOGUE_ENV_VAR = "TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES"
 _FUSABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ADDS = (operator.add, torch.add, torch.Tensor.add)
-_enabled: dict[str, bool | None] = {ENV_VAR: None, GRAD_ENV_VAR: None}  # None: the environment variable
+# None: the environment variable decides
+_enabled: dict[str, bool | None] = {ENV_VAR: None, GRAD_ENV_VAR: None, EPILOGUE_ENV_VAR: None}
 
 
 def _setting(var: str) -> bool:
@@ -92,6 +110,17 @@ def set_gradient_fusion(enabled: bool | None) -> None:
 
 def gradient_fusion_enabled() -> bool:
     return _setting(GRAD_ENV_VAR)
+
+
+def set_epilogue_decomposition(enabled: bool | None) -> None:
+    """Turn on or off, for graphs compiled from now on, leaving to Inductor the norms whose
+    output only elementwise ops read (``decompose_epilogue_norms``); ``None`` returns to
+    ``$TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES`` (default: on)."""
+    _enabled[EPILOGUE_ENV_VAR] = enabled
+
+
+def epilogue_decomposition_enabled() -> bool:
+    return _setting(EPILOGUE_ENV_VAR)
 
 
 def _is_norm(node: Node) -> bool:
@@ -182,6 +211,112 @@ def fuse_residual_adds(graph: Graph) -> int:
         graph.lint()
         log.debug("fused %d residual add(s) into rmsnorm.add_fwd", count)
     return count
+
+
+# --- norms left to Inductor ----------------------------------------------------------------
+
+# Ops Inductor computes in the kernel that produces their input (a reduction's epilogue):
+# views, and elementwise arithmetic and casts (RoPE's mul, neg, cat and add).
+_VIEW_METHODS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
+                           "contiguous", "unflatten", "chunk", "split", "narrow"})
+_VIEW_FUNCTIONS = frozenset({torch.transpose, torch.reshape, torch.permute, torch.unsqueeze, torch.squeeze,
+                             torch.flatten, torch.chunk, torch.split, torch.narrow})
+_POINTWISE_METHODS = frozenset({"mul", "add", "sub", "neg", "div", "float", "half", "bfloat16", "type_as"})
+_POINTWISE_FUNCTIONS = frozenset({operator.mul, operator.add, operator.sub, operator.neg, operator.truediv,
+                                  torch.mul, torch.add, torch.sub, torch.neg, torch.div, torch.cat,
+                                  torch.nn.functional.silu, torch.nn.functional.gelu})
+
+
+def _basic_index(index: object) -> bool:
+    """A ``getitem`` index that makes a view: ints, slices, None, Ellipsis (or a tuple of them)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(p is None or p is Ellipsis or isinstance(p, (int, slice)) for p in parts)
+
+
+def _is_view(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return _basic_index(node.args[1])
+    return node.target in _VIEW_FUNCTIONS
+
+
+def _is_pointwise(node: Node) -> bool:
+    if node.op == "call_method":
+        if node.target == "to":  # a dtype cast, not a move
+            return all(isinstance(a, torch.dtype) for a in node.args[1:]) and set(node.kwargs) <= {"dtype"}
+        return node.target in _POINTWISE_METHODS
+    return node.op == "call_function" and node.target in _POINTWISE_FUNCTIONS
+
+
+def _read_pointwise_only(y: Node) -> bool:
+    """Whether every op that reads ``y``, through views, is elementwise (and something does)."""
+    pending, seen = list(y.users), set()
+    if not pending:
+        return False
+    while pending:
+        node = pending.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_view(node) and node.users:
+            pending.extend(node.users)
+        elif not _is_pointwise(node):
+            return False
+    return True
+
+
+def _inductor_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, weight_offset: float = 0.0,
+                   norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None):
+    """``rmsnorm.fwd`` composed from torch ops (``reference.rms_norm_forward``), for Inductor to
+    compile and fuse with its readers."""
+    from torch_rmsnorm_op import reference
+
+    return reference.rms_norm_forward(x, weight, eps, weight_offset, norm_dtype, out_dtype)
+
+
+def decompose_epilogue_norms(graph: Graph) -> int:
+    """Replace every ``rmsnorm.fwd`` in ``graph`` whose output only elementwise ops read
+    (through views; Qwen3's q/k norms, read by RoPE) with the same computation in torch ops,
+    which Inductor fuses with those readers, as it does for the stock model; returns how many.
+    A norm whose output any other op reads (a projection's matmul, our ops, the graph's
+    output), or whose rstd is read, stays as it is."""
+    count = 0
+    for norm in list(graph.nodes):
+        if not _is_norm(norm) or not norm.users:
+            continue
+        users = list(norm.users)
+        if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
+            continue
+        if not all(_read_pointwise_only(u) for u in users):
+            continue
+        fake = None
+        values = [_value(a) if isinstance(a, Node) else a for a in norm.args]
+        mode = getattr(values[0], "fake_mode", None)
+        if mode is not None:
+            with mode:
+                fake = _inductor_norm(*values, **norm.kwargs)
+        with graph.inserting_before(norm):
+            new = graph.call_function(_inductor_norm, norm.args, dict(norm.kwargs))
+        if fake is not None:
+            new.meta["example_value"] = new.meta["val"] = fake
+        norm.replace_all_uses_with(new)
+        graph.erase_node(norm)
+        count += 1
+    if count:
+        graph.lint()
+        log.debug("left %d rmsnorm.fwd to Inductor, fused with the elementwise ops reading them", count)
+    return count
+
+
+def rewrite_pre_grad(graph: Graph) -> int:
+    """The pre-grad stage: ``fuse_residual_adds`` (where on), then ``decompose_epilogue_norms``
+    (where on; after the first, so that a norm whose output feeds a fused add stays ours);
+    returns how many nodes were rewritten."""
+    count = fuse_residual_adds(graph) if residual_fusion_enabled() else 0
+    return count + (decompose_epilogue_norms(graph) if epilogue_decomposition_enabled() else 0)
 
 
 # --- gradient sums -------------------------------------------------------------------------
@@ -277,9 +412,17 @@ def fuse_gradient_sums(graph: Graph) -> int:
 
 # --- Inductor passes -------------------------------------------------------------------------
 
-# stage: (Inductor's option, the rewrite's name in this module, whether it is on)
-_STAGES = {"pre_grad": ("pre_grad_custom_pass", "fuse_residual_adds", residual_fusion_enabled),
-           "post_grad": ("post_grad_custom_post_pass", "fuse_gradient_sums", gradient_fusion_enabled)}
+def _pre_grad_settings() -> tuple[bool, ...]:
+    return residual_fusion_enabled(), epilogue_decomposition_enabled()
+
+
+def _post_grad_settings() -> tuple[bool, ...]:
+    return (gradient_fusion_enabled(),)
+
+
+# stage: (Inductor's option, the rewrite's name in this module, the settings of its rewrites)
+_STAGES = {"pre_grad": ("pre_grad_custom_pass", "rewrite_pre_grad", _pre_grad_settings),
+           "post_grad": ("post_grad_custom_post_pass", "fuse_gradient_sums", _post_grad_settings)}
 
 
 @functools.cache
@@ -289,10 +432,10 @@ def fusion_pass_class() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     class FusionPass(CustomGraphPass):
-        """One stage's rewrite: at ``"pre_grad"`` (Inductor's ``pre_grad_custom_pass``)
-        ``fuse_residual_adds``, at ``"post_grad"`` (``post_grad_custom_post_pass``)
-        ``fuse_gradient_sums``, when it is on; then the pass that was installed before it (if
-        any)."""
+        """One stage's rewrites: at ``"pre_grad"`` (Inductor's ``pre_grad_custom_pass``)
+        ``rewrite_pre_grad``, at ``"post_grad"`` (``post_grad_custom_post_pass``)
+        ``fuse_gradient_sums``, where they are on; then the pass that was installed before it
+        (if any)."""
 
         def __init__(self, stage: str, then=None) -> None:
             self.stage, self.then = stage, then
@@ -303,8 +446,8 @@ def fusion_pass_class() -> type:
             return tuple(p for p in then if p is not None)
 
         def __call__(self, graph: Graph) -> None:
-            _, rewrite, enabled = _STAGES[self.stage]
-            if enabled():
+            _, rewrite, settings = _STAGES[self.stage]
+            if any(settings()):
                 globals()[rewrite](graph)
             for then in self._chained():
                 then(graph)
@@ -313,7 +456,7 @@ def fusion_pass_class() -> type:
             h = hashlib.sha256()
             with open(__file__, "rb") as f:
                 h.update(f.read())
-            h.update(f"{self.stage} {'on' if _STAGES[self.stage][2]() else 'off'}".encode())
+            h.update(f"{self.stage} {_STAGES[self.stage][2]()}".encode())
             for then in self._chained():
                 uuid = getattr(then, "uuid", None)
                 h.update(uuid() if callable(uuid) else repr(then).encode())
