@@ -476,8 +476,8 @@ def _rebuild_pass(stage: str, then, uuid: bytes):
 
 
 def install() -> None:
-    """Install both rewrites as Inductor's custom passes (once each; chained with a pass already
-    set). Graphs compiled afterwards are rewritten where each rewrite is enabled."""
+    """Install the rewrites as Inductor's custom passes, one per stage (once each; chained with
+    a pass already set). Graphs compiled afterwards are rewritten where each rewrite is enabled."""
     from torch._inductor import config
 
     cls = fusion_pass_class()

@@ -145,7 +145,7 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
         replaced[id(child)] = patched
         report.swapped.append(Swapped(name, type(child).__name__, patched.semantics.name))
     if report.swapped:
-        # Compiled with Inductor, a residual add before a swapped norm fuses into it (fusion.py).
+        # Compiled with Inductor, the rewrites of fusion.py fuse the ops around the swapped norms.
         fusion.install()
     return report
 
