@@ -9,13 +9,16 @@ enough sets that none is read from L2. Candidates compile in parallel worker pro
 (``--workers``), which fill Triton's cache for the timing process.
 
 Passes: ``fwd`` and ``bwd`` (the backward alone), ``add_fwd`` / ``add_bwd`` (with the residual
-add fused). ``pct`` is the byte floor (fwd: read x, write y; add_fwd: read x and the residual,
-write y and the sum; bwd: read x and dy, write dx; add_bwd: also read the sum's gradient) over
-the time, against the copy ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
+add fused). A backward job may name the gradient terms its launch sums (``bwd:M:N:3``, 1 to 3,
+as ``fusion.fuse_gradient_sums`` hands them to the kernel; the launch then halves each
+candidate's rows per tile, ``launch.summed_gradient_consts``). ``pct`` is the byte floor (fwd:
+read x, write y; add_fwd: read x and the residual, write y and the sum; bwd: read x and dy, each
+term of dy, write dx; add_bwd: also read the sum's gradient) over the time, against the copy
+ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
 same bytes at the same size (half read, half written; rotating like the inputs), what streaming
 alone reaches at this size, launch and tail included.
 
-Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,...] [--dtype bfloat16]
+Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
 [--wdtype float32] [--inductor] [--table-only]``; writes ``DIR/<tag>.json``.
 """
 
@@ -81,6 +84,15 @@ class Job:
     n: int
     dtype: torch.dtype
     wdtype: torch.dtype
+    terms: int = 1  # tensors the backward's dy sums
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.terms <= 3 or (self.terms > 1 and not self.backward):
+            raise ValueError(f"job {self.name}: gradient terms are 1 to 3, and only for bwd/add_bwd")
+
+    @property
+    def name(self) -> str:
+        return f"{self.pass_name}:{self.m}:{self.n}" + (f":{self.terms}" if self.terms > 1 else "")
 
     @property
     def backward(self) -> bool:
@@ -92,7 +104,7 @@ class Job:
 
     def floor_bytes(self) -> int:
         e = self.dtype.itemsize
-        reads_writes = {"fwd": 2, "add_fwd": 4, "bwd": 3, "add_bwd": 4}[self.pass_name]
+        reads_writes = {"fwd": 2, "add_fwd": 4, "bwd": 3, "add_bwd": 4}[self.pass_name] + self.terms - 1
         return reads_writes * self.m * self.n * e
 
 
@@ -109,6 +121,7 @@ class Sets:
             s = x if r is None else x + r
             _, rstd = reference.rms_norm_forward(s, w, EPS)
             self.items.append(dict(x=x, r=r, w=w, s=s, rstd=rstd, dy=torch.randn_like(x),
+                                   dy_terms=tuple(torch.randn_like(x) for _ in range(job.terms - 1)),
                                    dres=torch.randn_like(x) if job.residual else None, y=torch.empty_like(x),
                                    h=torch.empty_like(x) if job.residual else None, dx=torch.empty_like(x),
                                    dw=torch.empty_like(w), rstd_out=torch.empty_like(rstd)))
@@ -118,7 +131,8 @@ def run_ours(job: Job, cfg: KernelConfig, item: dict) -> None:
     if job.backward:
         plan = dispatch.backward_plan(item["s"], item["w"], item["dy"].dtype)
         plan = dataclasses.replace(plan, cfg=cfg)
-        launch.backward(plan, item["dy"], item["s"], item["w"], item["rstd"], item["dx"], item["dw"], item["dres"])
+        launch.backward(plan, item["dy"], item["s"], item["w"], item["rstd"], item["dx"], item["dw"], item["dres"],
+                        dy_terms=item["dy_terms"])
     else:
         plan = dispatch.forward_plan(item["x"], item["w"], item["r"])
         plan = dataclasses.replace(plan, cfg=cfg, launcher=None)
@@ -129,11 +143,13 @@ def check(job: Job, item: dict) -> float:
     """Max abs error of the outputs just written against the float64 reference."""
     s64 = item["s"].double()
     if job.backward:
+        # The terms' sum as the kernel takes it: in fp32, rounded once to dy's dtype.
+        dy = sum((t.float() for t in item["dy_terms"]), item["dy"].float()).to(item["dy"].dtype).double()
         if job.residual:
-            dx, _ = reference.add_rms_norm_backward(item["dy"].double(), item["dres"].double(), s64,
-                                                    item["w"].double(), item["rstd"].double())
+            dx, _ = reference.add_rms_norm_backward(dy, item["dres"].double(), s64, item["w"].double(),
+                                                    item["rstd"].double())
         else:
-            dx, _ = reference.rms_norm_backward(item["dy"].double(), s64, item["w"].double(), item["rstd"].double())
+            dx, _ = reference.rms_norm_backward(dy, s64, item["w"].double(), item["rstd"].double())
         return (item["dx"].double() - dx).abs().max().item()
     y, _ = reference.rms_norm_forward(s64, item["w"].double(), EPS)
     return (item["y"].double() - y).abs().max().item()
@@ -234,7 +250,7 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
         rows.append(dict(us=us, pct=per_set / (us * 1e-6) / 1e9 / copy_gbs * 100, cfg=cfg.__dict__, max_err=err,
                          table=cfg == table))
     rows.sort(key=lambda r: r["us"])
-    out = dict(job=f"{job.pass_name}:{job.m}:{job.n}", dtype=str(job.dtype), wdtype=str(job.wdtype), rows=rows)
+    out = dict(job=job.name, dtype=str(job.dtype), wdtype=str(job.wdtype), rows=rows)
     cur = next(r for r in rows if r["table"])
     line = (f"{out['job']:>20} best {rows[0]['pct']:5.1f}% {rows[0]['us']:8.2f}us {rows[0]['cfg']}  "
             f"table {cur['pct']:5.1f}% {cur['us']:8.2f}us")
@@ -246,7 +262,7 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
     out["copy_us"] = copy_us
     out["copy_pct"] = per_set / (copy_us * 1e-6) / 1e9 / copy_gbs * 100
     line += f"  copy {out['copy_pct']:5.1f}%"
-    if with_inductor:
+    if with_inductor and job.terms == 1:  # Inductor's F.rms_norm receives dy as one tensor
         # For a backward job Inductor's figure is its forward + backward (the compiled graph's
         # kernels of both passes), against that byte floor.
         us = inductor_us(job, sets)
@@ -266,7 +282,8 @@ def main() -> None:
     p.add_argument("--out", default=".")
     p.add_argument("--tag", default="tune")
     p.add_argument("--jobs", default=",".join(f"{k}:{m}:{n}" for k in ("fwd", "bwd") for m in (8192,) for n in REAL_NS),
-                   help="comma-separated pass:M:N (pass fwd, bwd, add_fwd, add_bwd)")
+                   help="comma-separated pass:M:N[:terms] (pass fwd, bwd, add_fwd, add_bwd; terms: the "
+                        "backward's dy summed from 1-3 tensors)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--wdtype", default="bfloat16")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -291,8 +308,9 @@ def main() -> None:
     results = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, copy_GBs=copy_gbs, jobs=[])
     jobs = []
     for spec in args.jobs.split(","):
-        pass_name, m, n = spec.split(":")
-        job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype))
+        pass_name, m, n, *terms = spec.split(":")
+        job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype),
+                  int(terms[0]) if terms else 1)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
         table = fit_to_rows((backward_config if job.backward else forward_config)(job.n, job.dtype), job.m,
                             torch.device(DEVICE))
