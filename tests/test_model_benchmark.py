@@ -269,3 +269,51 @@ def test_arms_are_timed_in_turn_reversed_every_other_round():
     assert order == ["stock", "patched", "patched", "stock", "stock", "patched"]
     assert {impl: (r["steps"], r["rounds"], r["profile_steps"]) for impl, r in rows.items()} == {
         "stock": (6, 3, 3), "patched": (6, 3, 3)}
+
+
+def _timed(rounds, kernels):
+    return {"gpu_ms_rounds": rounds, "kernels": {k: {"us": us, "calls": calls} for k, (us, calls) in kernels.items()}}
+
+
+def test_library_kernels_at_the_references_time_take_out_the_clock():
+    """Stock's matmul ran 300 µs slower (its rounds were slower by as much); the patched step's
+    Triton kernels saved 50 µs. The ratio with library kernels at stock's time shows the 50 µs
+    alone; a library kernel launched a different number of times, Triton kernels, memsets and
+    our kernels keep their own times."""
+    stock = _timed([10.30, 10.30], {"nvjet_gemm": (8300.0, 4), "cudnn_sdpa": (1000.0, 2), "aten_fill": (5.0, 1),
+                                    "triton_red_fused_mean_rsqrt": (700.0, 9), "Memset (Device)": (20.0, 8)})
+    patched = _timed([9.95, 9.95], {"nvjet_gemm": (8000.0, 4), "cudnn_sdpa": (1000.0, 2), "aten_fill": (9.0, 2),
+                                    "_rms_norm_fwd_rows": (650.0, 9), "Memset (Device)": (25.0, 8)})
+    want = (9950.0 + 300.0) / 10300.0  # aten_fill: launched twice, not alike; the rest at their own time
+    assert mb.gpu_ratio_library_at_reference(patched, stock) == round(want, 4)
+    assert mb.gpu_ratio_library_at_reference(stock, stock) == 1.0
+    assert mb.gpu_ratio_library_at_reference({"gpu_ms_rounds": []}, stock) is None
+    # Rows written before "kernels": their top_kernels, whose launch counts are not known.
+    old = {"gpu_ms_rounds": [9.95], "top_kernels": {"nvjet_gemm": 8000.0, "triton_x": 1.0}}
+    assert mb.gpu_ratio_library_at_reference(old, {"gpu_ms_rounds": [10.3], "top_kernels": {"nvjet_gemm": 8300.0}}) \
+        == round(10250.0 / 10300.0, 4)
+
+
+def test_merged_windows_keep_every_kernel_with_its_launches():
+    windows = [{"gpu_ms": g, "norm_kernels": {}, "top_kernels": {"a": us}, "kernels": {"a": {"us": us, "calls": 2.0}}}
+               for g, us in ((1.0, 10.0), (2.0, 30.0))]
+    merged = mb.merge_profiles(windows)
+    assert merged["kernels"] == {"a": {"us": 20.0, "calls": 2.0}} and merged["gpu_ms_rounds"] == [1.0, 2.0]
+
+
+def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
+    """``bench-models --rederive FILE`` recomputes the ratio of a file's rows against their
+    run's stock row and writes the file's JSON and Markdown again."""
+    _, result, _ = smoke
+    for row in result["rows"]:
+        row.pop("gpu_ratio_library_at_stock", None)
+        row["gpu_ms_rounds"] = [2.0] if row["impl"] == "stock" else [1.0]
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(result))
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--rederive", str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = json.loads(path.read_text())["rows"]
+    assert {r["impl"]: r.get("gpu_ratio_library_at_stock") for r in rows if r["pass"] == "train"} == {
+        "stock": None, **{i: 0.5 for i in {r["impl"] for r in rows} - {"stock"}}}
+    assert "library kernels at stock's" in path.with_suffix(".md").read_text()

@@ -145,6 +145,10 @@ def _tokens(text: str) -> tuple[int, int]:
 def _bench_models(args: argparse.Namespace) -> int:
     from torch_rmsnorm_op.tools import model_benchmark as mb
 
+    if args.rederive:
+        stem = mb.rederive(args.rederive)
+        print(f"wrote {stem}.json, .md, .png")
+        return 0
     smoke = args.smoke
     sel = mb.Selection(
         models=args.models or (("llama",) if smoke else mb.DEFAULT_MODELS),
@@ -267,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--out", default="profiling/results", help="output folder (default: profiling/results)")
     models.add_argument("--fresh", action="store_true",
                         help="replace the results file of this date and GPU instead of merging into it")
+    models.add_argument("--rederive", metavar="FILE",
+                        help="recompute the derived GPU-time ratio of a results file's rows (library kernels at "
+                             "stock's time) and write its .json, .md and .png again; runs nothing")
     models.add_argument("--smoke", action="store_true",
                         help="tiny model (hidden 64, 2 layers, tokens 1x8, aot_eager; llama unless --models): the "
                              "machinery in seconds, on CPU too (timings not GPU timings)")

@@ -41,6 +41,13 @@ What each number is:
   kernel, memset and memcpy over a ``torch.profiler`` window, divided by its
   steps; idle gaps are not counted. The median of the rounds' windows;
   ``gpu_ms_rounds`` lists each round's.
+- ``gpu_ratio_library_at_stock`` (rows other than stock's): ``gpu_ms`` over stock's with
+  the library kernels (cuBLAS, cuDNN, CUTLASS, aten) that both launch alike counted at
+  stock's time in both (``gpu_ratio_library_at_reference``): the matmuls and attention are
+  most of a step and move with the GPU's clock between rounds by as much as the differences
+  measured, while the impls launch them alike. Both sides are the mean of the rounds' windows.
+- ``kernels``: every device kernel, ``{"us", "calls"}`` per step averaged over the rounds'
+  windows (names cut at ``KERNEL_NAME_CHARS``); ``top_kernels`` the costliest of them.
 - ``norm_kernels``: the norm-related device kernels by name, averaged over the rounds' windows,
   ``{"us": time per step, "calls": launches per step, "source": ...}``: ours
   and Liger's by their Triton names (``_rms_norm*``; Liger's
@@ -522,13 +529,17 @@ def profile_window(step: Callable[[], object], before: Callable[[], None], n: in
         gpu_ms = None
     norm = {name: {"us": round(time_us[name] / n, 2), "calls": round(calls[name] / n, 2), "source": src}
             for name, src in sorted(sources.items(), key=lambda kv: -time_us[kv[0]]) if src}
-    top: dict[str, float] = {}
+    kernels: dict[str, dict] = {}
     if cuda:
         for name, us in time_us.items():
-            key = name[:KERNEL_NAME_CHARS]
-            top[key] = top.get(key, 0.0) + us / n
-    top = {k: round(v, 2) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]}
-    return {"gpu_ms": None if gpu_ms is None else round(gpu_ms, 4), "norm_kernels": norm, "top_kernels": top}
+            slot = kernels.setdefault(name[:KERNEL_NAME_CHARS], {"us": 0.0, "calls": 0.0})
+            slot["us"] += us / n
+            slot["calls"] += calls[name] / n
+    kernels = {k: {"us": round(v["us"], 2), "calls": round(v["calls"], 2)}
+               for k, v in sorted(kernels.items(), key=lambda kv: -kv[1]["us"])}
+    top = {k: v["us"] for k, v in list(kernels.items())[:TOP_KERNELS]}
+    return {"gpu_ms": None if gpu_ms is None else round(gpu_ms, 4), "norm_kernels": norm, "top_kernels": top,
+            "kernels": kernels}
 
 
 @dataclass
@@ -702,7 +713,8 @@ def merge_profiles(windows: Sequence[dict]) -> dict:
         for w in windows:
             for name, value in w[field].items():
                 if isinstance(value, dict):
-                    slot = acc.setdefault(name, {"us": 0.0, "calls": 0.0, "source": value["source"]})
+                    slot = acc.setdefault(name, {"us": 0.0, "calls": 0.0, **({"source": value["source"]}
+                                                                              if "source" in value else {})})
                     slot["us"] += value["us"] / len(windows)
                     slot["calls"] += value["calls"] / len(windows)
                 else:
@@ -710,12 +722,41 @@ def merge_profiles(windows: Sequence[dict]) -> dict:
         if field == "top_kernels":
             ranked = sorted(acc.items(), key=lambda kv: -kv[1]["us"])[:TOP_KERNELS]
             return {k: round(v["us"], 2) for k, v in ranked}
-        return {k: {"us": round(v["us"], 2), "calls": round(v["calls"], 2), "source": v["source"]}
+        return {k: {**v, "us": round(v["us"], 2), "calls": round(v["calls"], 2)}
                 for k, v in sorted(acc.items(), key=lambda kv: -kv[1]["us"])}
 
     return {"gpu_ms": round(statistics.median(gpu), 4) if gpu else None,
             "gpu_ms_rounds": [round(g, 4) for g in gpu], "norm_kernels": mean("norm_kernels"),
-            "top_kernels": mean("top_kernels")}
+            "top_kernels": mean("top_kernels"), "kernels": mean("kernels")}
+
+
+def _library_kernel(name: str) -> bool:
+    """A device kernel of a library (cuBLAS, cuDNN, CUTLASS, aten): not Triton (Inductor's
+    ``triton_*``, ours, Liger's), not a memset or memcpy."""
+    return not (name.startswith(("triton_", "Memset", "Memcpy")) or norm_kernel_source(name))
+
+
+def gpu_ratio_library_at_reference(row: dict, reference: dict) -> float | None:
+    """``row``'s GPU time over ``reference``'s, both the mean of their rounds' windows, with
+    every library kernel (``_library_kernel``) that both launch alike (the same name and
+    launches per step) counted at ``reference``'s time in both: what the impl changes, without
+    the drift of the GPU's clock between rounds, which moves those kernels (the matmuls and
+    attention, most of a step) as much as the differences measured. From the rows' ``kernels``;
+    rows written before that field have only their ``top_kernels`` (the costliest, without
+    launch counts), whose library kernels in both are taken as launched alike. None without
+    GPU times."""
+    if not row.get("gpu_ms_rounds") or not reference.get("gpu_ms_rounds"):
+        return None
+    field = "kernels" if row.get("kernels") and reference.get("kernels") else "top_kernels"
+
+    def table(r: dict) -> dict[str, tuple[float, float | None]]:
+        return {k: (v["us"], v["calls"]) if isinstance(v, dict) else (v, None) for k, v in r.get(field, {}).items()}
+
+    mine, theirs = table(row), table(reference)
+    shift_us = sum(theirs[k][0] - us for k, (us, calls) in mine.items()
+                   if _library_kernel(k) and k in theirs and calls == theirs[k][1])
+    ms, ref_ms = statistics.mean(row["gpu_ms_rounds"]), statistics.mean(reference["gpu_ms_rounds"])
+    return round((ms + shift_us / 1e3) / ref_ms, 4)
 
 
 def _free(device: torch.device) -> None:
@@ -867,6 +908,8 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
                 row.update(reference=ref_name, **compare(firsts[arm.impl], ref))
                 row["matches_reference"] = judge(row, stock if arm.impl != "stock" else None)
                 _add_floor(row, spec, batch * seq, pass_, copy_gbs)
+                if stock is not None and arm.impl != "stock":
+                    row["gpu_ratio_library_at_stock"] = gpu_ratio_library_at_reference(row, stock)
             emit(row)
             _log(f"{label} {arm.impl}: " + _summary(row))
 
@@ -1003,7 +1046,10 @@ def markdown(result: dict) -> str:
         f"# Models: stock vs patched vs Liger on {result['gpu']}", "",
         f"torch {result['torch']}, Triton {result['triton']}, transformers {result['transformers']}, "
         f"liger_kernel {result['liger_kernel']}, {result['date']}. {result['timing']} Copy ceiling "
-        f"**{result['copy_GBs']:.0f} GB/s**. Norm % = the step's RMSNorm byte floor (residual adds included) "
+        f"**{result['copy_GBs']:.0f} GB/s**. GPU time with library kernels at stock's: the GPU-time ratio with "
+        "the library kernels both launch alike (matmuls, attention) counted at stock's time, which takes out the "
+        "GPU clock's drift between rounds (gpu_ratio_library_at_reference). "
+        "Norm % = the step's RMSNorm byte floor (residual adds included) "
         "/ norm kernel time / copy ceiling. ✓ = loss and norm-weight gradients (train) or logits (infer): "
         "stock within the declared tolerances of eager ("
         + ", ".join(f"{k} {v:g}" for k, v in result["tolerances"].items())
@@ -1013,6 +1059,7 @@ def markdown(result: dict) -> str:
     head = ["model", "hidden×layers", "tokens", "mode", "pass"]
     head += [f"{i} ms" for i in impls] + [f"{i}/stock" for i in others]
     head += [f"{i} GPU ms" for i in impls] + [f"{i}/stock GPU" for i in others]
+    head += [f"{i}/stock GPU, library kernels at stock's" for i in others]
     head += [f"{i} norm µs (%)" for i in impls] + ["ok"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     keyed = {_key(r): r for r in result["rows"]}
@@ -1032,6 +1079,7 @@ def markdown(result: dict) -> str:
         row += [_ratio(get(i, "step_ms"), get("stock", "step_ms")) for i in others]
         row += [_fmt(get(i, "gpu_ms"), ".3f") for i in impls]
         row += [_ratio(get(i, "gpu_ms"), get("stock", "gpu_ms")) for i in others]
+        row += [_fmt(get(i, "gpu_ratio_library_at_stock"), ".3f") for i in others]
         row += [f"{_fmt(get(i, 'norm_us'), '.1f')} ({_fmt(get(i, 'norm_pct_of_copy'), '.0f')})" for i in impls]
         row += [" ".join(("✓" if cell[i].get("matches_reference") else "✗") for i in impls if cell[i])]
         lines.append("| " + " | ".join(row) + " |")
@@ -1082,6 +1130,20 @@ def plot(result: dict, path: str) -> bool:
     fig.savefig(path, dpi=110, metadata={"Description": result["timing"]})
     plt.close(fig)
     return True
+
+
+def rederive(path: str) -> str:
+    """Recompute ``gpu_ratio_library_at_stock`` for the rows of the results file ``path`` (each
+    against the stock row of its configuration from the same run), and write its .json, .md and
+    .png again; returns the stem. For files written before the field existed."""
+    with open(path) as f:
+        result = json.load(f)
+    keyed = {_key(r): r for r in result["rows"]}
+    for row in result["rows"]:
+        stock = keyed.get(_key(row)[:-1] + ("stock",))
+        if row["impl"] != "stock" and stock and stock.get("run_started") == row.get("run_started"):
+            row["gpu_ratio_library_at_stock"] = gpu_ratio_library_at_reference(row, stock)
+    return write_results(result, path.removesuffix(".json"))
 
 
 def write_results(result: dict, stem: str) -> str:
