@@ -317,3 +317,13 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
     assert {r["impl"]: r.get("gpu_ratio_library_at_stock") for r in rows if r["pass"] == "train"} == {
         "stock": None, **{i: 0.5 for i in {r["impl"] for r in rows} - {"stock"}}}
     assert "library kernels at stock's" in path.with_suffix(".md").read_text()
+
+
+def test_rederive_rejects_what_is_not_a_results_file(tmp_path, capsys):
+    from torch_rmsnorm_op import cli
+
+    other = tmp_path / "other.json"
+    other.write_text("[]")
+    for path in (tmp_path / "missing.json", tmp_path, other):
+        assert cli.main(["bench-models", "--rederive", str(path)]) == 2
+        assert "--rederive" in capsys.readouterr().err

@@ -1136,8 +1136,12 @@ def rederive(path: str) -> str:
     """Recompute ``gpu_ratio_library_at_stock`` for the rows of the results file ``path`` (each
     against the stock row of its configuration from the same run), and write its .json, .md and
     .png again; returns the stem. For files written before the field existed."""
+    if not path.endswith(".json") or not os.path.isfile(path):
+        raise ValueError(f"--rederive: {path!r} is not a results file (<date>-<gpu>-models.json)")
     with open(path) as f:
         result = json.load(f)
+    if not isinstance(result, dict) or not isinstance(result.get("rows"), list):
+        raise ValueError(f"--rederive: {path!r} holds no model benchmark rows")
     keyed = {_key(r): r for r in result["rows"]}
     for row in result["rows"]:
         stock = keyed.get(_key(row)[:-1] + ("stock",))
