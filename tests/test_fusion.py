@@ -457,3 +457,32 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
     torch._dynamo.reset()
     want = torch.compile(stock, fullgraph=True)(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.loss, want.loss, **MODEL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("config,model,left", [
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 4),  # q/k norms of 2 layers
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", 4),  # q/k norms; the norms around attention and MLP stay ours
+    ("Gemma2Config", "Gemma2ForCausalLM", 0),  # every norm feeds a projection or a fused residual add
+    ("Olmo2Config", "Olmo2ForCausalLM", 7),  # q/k norms, and the norms read only by a residual add
+])
+def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, monkeypatch):
+    """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
+    its code gives norms whose output only elementwise ops read; logits match the unpatched
+    model."""
+    counts = []
+    real = fusion.decompose_epilogue_norms
+    monkeypatch.setattr(fusion, "decompose_epilogue_norms", lambda graph: counts.append(real(graph)) or counts[-1])
+    cfg = getattr(transformers, config)(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
+    torch.manual_seed(0)
+    stock = getattr(transformers, model)(cfg).eval()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(patched, fullgraph=True)(input_ids=ids).logits
+        want = stock(input_ids=ids).logits
+    assert counts == [left]
+    torch.testing.assert_close(out, want, **MODEL[torch.float32])
