@@ -163,15 +163,15 @@ def _fusable(add: Node, norm: Node, order: dict[Node, int]) -> bool:
     return all(order[n] < order[add] for n in norm.all_input_nodes if n is not add)
 
 
-def _fake_outputs(add: Node, norm: Node):
-    """The fused op's outputs on the fake values Dynamo recorded, for the new nodes' meta."""
-    a, b = (_value(n) for n in add.args)
-    w = _value(norm.args[1]) if len(norm.args) > 1 else None
-    mode = getattr(a, "fake_mode", None)
+def _fake_call(target, args: tuple, kwargs: dict):
+    """``target``'s outputs on the fake values Dynamo recorded for ``args`` (the nodes among
+    them), for a new node's meta; None where the first argument has none."""
+    values = [_value(a) if isinstance(a, Node) else a for a in args]
+    mode = getattr(values[0], "fake_mode", None)
     if mode is None:
         return None
     with mode:
-        return torch.ops.rmsnorm.add_fwd.default(a, b, w, *norm.args[2:], **norm.kwargs)
+        return target(*values, **kwargs)
 
 
 def fuse_residual_adds(graph: Graph) -> int:
@@ -185,10 +185,10 @@ def fuse_residual_adds(graph: Graph) -> int:
         add = norm.args[0]
         if not _is_add(add) or not _fusable(add, norm, order):
             continue
-        fake = _fake_outputs(add, norm)
+        args = (*add.args, *norm.args[1:])
+        fake = _fake_call(torch.ops.rmsnorm.add_fwd.default, args, norm.kwargs)
         with graph.inserting_after(add):
-            fused = graph.call_function(torch.ops.rmsnorm.add_fwd.default, (*add.args, *norm.args[1:]),
-                                        dict(norm.kwargs))
+            fused = graph.call_function(torch.ops.rmsnorm.add_fwd.default, args, dict(norm.kwargs))
         with graph.inserting_after(fused):
             outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(3)]
         for i, node in enumerate((fused, *outs)):
@@ -292,12 +292,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
             continue
         if not all(_read_pointwise_only(u) for u in users):
             continue
-        fake = None
-        values = [_value(a) if isinstance(a, Node) else a for a in norm.args]
-        mode = getattr(values[0], "fake_mode", None)
-        if mode is not None:
-            with mode:
-                fake = _inductor_norm(*values, **norm.kwargs)
+        fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
             new = graph.call_function(_inductor_norm, norm.args, dict(norm.kwargs))
         if fake is not None:
