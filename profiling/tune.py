@@ -10,8 +10,8 @@ enough sets that none is read from L2. Candidates compile in parallel worker pro
 
 Passes: ``fwd`` and ``bwd`` (the backward alone), ``add_fwd`` / ``add_bwd`` (with the residual
 add fused). A backward job may name the gradient terms its launch sums (``bwd:M:N:3``, 1 to 3,
-as ``fusion.fuse_gradient_sums`` hands them to the kernel; the launch then halves each
-candidate's rows per tile, ``launch.summed_gradient_consts``). ``pct`` is the byte floor (fwd:
+as ``fusion.fuse_gradient_sums`` hands them to the kernel; the launch then takes fewer rows
+per tile than the candidate's, ``launch.summed_gradient_consts``). ``pct`` is the byte floor (fwd:
 read x, write y; add_fwd: read x and the residual, write y and the sum; bwd: read x and dy, each
 term of dy, write dx; add_bwd: also read the sum's gradient) over the time, against the copy
 ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
@@ -65,15 +65,16 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
 
 
 def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
-    """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM; the table's
-    configuration with the other loop form, a second read of x and dy, prefetching."""
+    """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM, each with both row-loop
+    forms; the table's configuration with a second read of x and dy, and with prefetching."""
     block = triton.next_power_of_2(n)
-    out = [KernelConfig(block, tile // block, warps, 1, pps)
-           for tile, warps, pps in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8))
+    out = [KernelConfig(block, tile // block, warps, 1, pps, counted_loop=counted)
+           for tile, warps, pps, counted in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8),
+                                                              (False, True))
            if tile >= block and warps * 32 * 4 <= tile]
     if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
-        out += [dataclasses.replace(cfg, counted_loop=not cfg.counted_loop), dataclasses.replace(cfg, reload=True),
-                dataclasses.replace(cfg, stages=2)]
+        out += [dataclasses.replace(cfg, reload=True), dataclasses.replace(cfg, stages=2),
+                dataclasses.replace(cfg, stages=2, counted_loop=not cfg.counted_loop)]
     return out
 
 

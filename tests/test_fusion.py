@@ -49,11 +49,11 @@ def _fusion_on():
     fusion.set_epilogue_decomposition(None)
 
 
-@pytest.mark.parametrize("family,fused,plain", [("Llama", 4, 1), ("Qwen3", 4, 1), ("Olmo2", 1, 1)])
+@pytest.mark.parametrize("family,fused,plain", [("Llama", 4, 0), ("Qwen3", 4, 0), ("Olmo2", 1, 1)])
 def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain):
     """A patched, compiled 2-layer decoder. Llama, Qwen3: every norm after a residual add (each
     layer's post-attention norm, the next layer's input norm, the final norm) runs as
-    ``add_fwd``; the first layer's input norm (after the embedding) as ``fwd``; Qwen3's q/k
+    ``add_fwd``; the first layer's input norm, which reads the embeddings, and Qwen3's q/k
     norms, read only by RoPE, as Inductor's own kernels (``decompose_epilogue_norms``). OLMo2
     (norms after attention and MLP, q/k norms): the final norm takes the last residual add, so
     the last MLP norm, which feeds that add, stays ``fwd``; every other norm is read by RoPE or
@@ -157,6 +157,8 @@ def _rope(q, cos, sin):
 
 W16 = torch.rand(16) + 0.5
 PROJ = torch.randn(16, 16)
+TABLE = torch.randn(10, 16)
+IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
 
 
 @pytest.mark.parametrize("name,f,left", [
@@ -172,10 +174,23 @@ PROJ = torch.randn(16, 16)
     ("the graph's output", lambda x, c, s: T.rms_norm(x, (16,), W16), False),
     ("a view as the output", lambda x, c, s: T.rms_norm(x, (16,), W16).transpose(1, 2), False),
     ("gathered rows", lambda x, c, s: T.rms_norm(x, (16,), W16)[:, torch.tensor([0, 2])] * 2, False),
+    ("embeddings, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(torch.nn.functional.embedding(IDS, TABLE), (16,), W16),
+                                                PROJ) + x.sum(), True),
+    ("scaled embeddings, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(
+         T.rms_norm(torch.nn.functional.embedding(IDS, TABLE).view(2, 3, 16) * 4.0, (16,), W16), PROJ) + x.sum(), True),
+    ("scaled embeddings, the scale first", lambda x, c, s: torch.nn.functional.linear(
+        T.rms_norm(torch.tensor(4.0) * torch.nn.functional.embedding(IDS, TABLE), (16,), W16), PROJ) + x.sum(), True),
+    ("embeddings plus a residual", lambda x, c, s: torch.nn.functional.linear(
+        T.rms_norm(torch.nn.functional.embedding(IDS, TABLE) + x[0, 0, :3], (16,), W16), PROJ), False),
+    ("embeddings through a matmul", lambda x, c, s: torch.nn.functional.linear(
+        T.rms_norm(torch.nn.functional.embedding(IDS, TABLE) @ PROJ, (16,), W16), PROJ) + x.sum(), False),
 ])
 def test_which_norms_are_left_to_inductor(name, f, left):
-    """Only a norm whose output nothing but elementwise ops (through views) reads is replaced by
-    torch ops; the graph computes what it computed before."""
+    """Only a norm whose output nothing but elementwise ops (through views) reads, or whose input
+    is an embedding lookup (through views and elementwise ops), is replaced by torch ops; the
+    graph computes what it computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -206,7 +221,7 @@ def test_a_norm_read_by_a_fused_add_stays_ours():
 @pytest.mark.parametrize("setting", ["function", "environment"])
 def test_leaving_norms_to_inductor_can_be_turned_off(setting, monkeypatch):
     """Off (``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``),
-    a compiled Qwen3 runs its q/k norms as ``rmsnorm.fwd`` too; logits and gradients stay
+    a compiled Qwen3 runs its q/k norms and its first input norm as ``rmsnorm.fwd`` too; logits and gradients stay
     within the tolerances of the model compiled with it on."""
     layers = 1
     model = _tiny("Qwen3", layers)
@@ -221,7 +236,7 @@ def test_leaving_norms_to_inductor_can_be_turned_off(setting, monkeypatch):
         assert fusion.epilogue_decomposition_enabled() is on
         compiled = torch.compile(model, fullgraph=True)
         out, code = _code(lambda i, f=compiled: f(input_ids=i, labels=i), ids)
-        FileCheck().check_count("torch.ops.rmsnorm.fwd.default(", 1 + (0 if on else 2 * layers), exactly=True).run(code)
+        FileCheck().check_count("torch.ops.rmsnorm.fwd.default(", 0 if on else 1 + 2 * layers, exactly=True).run(code)
         results[on] = (out.logits, torch.autograd.grad(out.loss, list(model.parameters())))
     torch.testing.assert_close(results[True][0], results[False][0], **MODEL[torch.float32])
     for a, b in zip(results[True][1], results[False][1]):
@@ -324,15 +339,28 @@ def test_gradient_sums_move_into_the_backward_kernel(kernel):
         g.graph.lint()
 
 
-def test_a_summing_launch_takes_half_the_rows_per_tile():
-    """``launch.summed_gradient_consts``: the rows kernel's tile loses half its rows (registers for
-    the terms), its dweight accumulator with it where it has a row per tile row."""
-    for acc_rows, want_acc in ((4, 2), (1, 1)):
-        g = _BackwardGraph()
-        launch = g.launch(g.add(g.tensor("a"), g.tensor("b")), ROWS=4, ACC_ROWS=acc_rows)
-        assert fusion.fuse_gradient_sums(g.graph) == 1
-        kw = launch.kwargs["kwargs"]
-        assert (kw["DY_TERMS"], kw["ROWS"], kw["ACC_ROWS"]) == (2, 2, want_acc)
+@pytest.mark.parametrize("block_n,terms,rows,acc_rows,want", [
+    (256, 2, 4, 4, (2, 2)),  # half the rows, the accumulator's with them where it has a row per tile row
+    (256, 3, 4, 1, (2, 1)),
+    (2048, 2, 2, 1, (2, 1)),  # config.BWD_SUMMED_ROWS: N=2048 keeps its 2 rows for 2 terms
+    (2048, 3, 2, 1, (1, 1)),  # and takes 1 for 3
+    (2048, 2, 1, 1, (1, 1)),  # never more than the launch's own (a small M's fewer rows)
+])
+def test_a_summing_launch_takes_fewer_rows_per_tile(block_n, terms, rows, acc_rows, want):
+    """``launch.summed_gradient_consts``: the rows kernel's tile takes the rows per tile
+    ``config.BWD_SUMMED_ROWS`` gives its BLOCK_N, else half its rows (registers for the terms)."""
+    g = _BackwardGraph()
+    dy = g.add(g.tensor("a"), g.tensor("b"))
+    if terms == 3:
+        dy = g.add(dy, g.tensor("c"))
+    launch = g.launch(dy, ROWS=rows, ACC_ROWS=acc_rows, BLOCK_N=block_n)
+    assert fusion.fuse_gradient_sums(g.graph) == 1
+    kw = launch.kwargs["kwargs"]
+    assert (kw["DY_TERMS"], kw["ROWS"], kw["ACC_ROWS"]) == (terms, *want)
+
+
+def test_a_summing_launch_changes_constexprs_where_they_are():
+    """Constexprs the kernel side table holds change there, not in the launch's arguments."""
     g = _BackwardGraph()  # constexprs the side table holds change there
     launch = g.launch(g.add(g.tensor("a"), g.tensor("b")))
     from torch_rmsnorm_op import _torch_compat
@@ -409,8 +437,9 @@ def test_gradient_fusion_switch(monkeypatch):
 def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch):
     """A patched bf16 decoder compiled with Inductor on CUDA: in each layer the attention norm's
     backward sums the q, k and v projections' gradients and the MLP norm's the gate and up
-    projections' (two launches a layer take their sums); the loss and every gradient are the
-    bits of the same model compiled with the rewrite off."""
+    projections' (two launches a layer take their sums, but in the first layer, whose attention
+    norm reads the embeddings and is Inductor's); the loss and every gradient are the bits of
+    the same model compiled with the rewrite off."""
     layers = 2
     base = _tiny(family, layers).cuda().to(torch.bfloat16).train()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
@@ -430,7 +459,7 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
         finally:
             fusion.set_gradient_fusion(None)
         results.append((loss.detach(), [p.grad for p in model.parameters()]))
-        assert sum(counts) == (2 * layers if enabled else 0), counts
+        assert sum(counts) == (2 * layers - 1 if enabled else 0), counts
     (loss_on, grads_on), (loss_off, grads_off) = results
     assert torch.equal(loss_on, loss_off)
     for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):
@@ -460,15 +489,18 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 
 
 @pytest.mark.parametrize("config,model,left", [
-    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 4),  # q/k norms of 2 layers
-    ("Gemma3TextConfig", "Gemma3ForCausalLM", 4),  # q/k norms; the norms around attention and MLP stay ours
-    ("Gemma2Config", "Gemma2ForCausalLM", 0),  # every norm feeds a projection or a fused residual add
-    ("Olmo2Config", "Olmo2ForCausalLM", 7),  # q/k norms, and the norms read only by a residual add
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5),  # q/k norms of 2 layers, the first input norm (embeddings)
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", 5),  # q/k norms, the first input norm (scaled embeddings); the
+    # norms around attention and MLP stay ours
+    ("Gemma2Config", "Gemma2ForCausalLM", 1),  # the first input norm; every other norm feeds a projection or a
+    # fused residual add
+    ("Olmo2Config", "Olmo2ForCausalLM", 7),  # q/k norms, and the norms read only by a residual add (the first
+    # norm reads attention's output, not the embeddings)
 ])
 def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
-    its code gives norms whose output only elementwise ops read; logits match the unpatched
-    model."""
+    its code gives norms whose output only elementwise ops read or whose input is the embeddings;
+    logits match the unpatched model."""
     counts = []
     real = fusion.decompose_epilogue_norms
     monkeypatch.setattr(fusion, "decompose_epilogue_norms", lambda graph: counts.append(real(graph)) or counts[-1])

@@ -99,10 +99,11 @@ BWD_LADDER = (
     # profiling/tune.py with that accumulator (profiling/results/2026-12-01-h200-backward/bwd.json):
     # N=1024 (131072 rows), counted loop 91.4% (in-kernel bounds 86.4%).
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2, counted_loop=True)),
-    # N=2048 (8192 rows): 4 rows x 8 warps, 2 programs per SM, counted loop: 70.1%, with the residual's gradient
-    # 77.0% (in-kernel bounds 70.4% / 75.9%; 2 rows, 4 per SM: 69.9% / 76.7%; 8 rows, 1 per SM, the rung before:
-    # 64.6% / 72.7%, and 60.3% with the accumulator of 8 rows; candidates.json).
-    (2048, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
+    # N=2048 (8192 rows): 2 rows x 8 warps, 4 programs per SM: 69.9%, with the residual's gradient 76.7% (4 rows,
+    # 2 per SM, counted loop, the rung before: 70.1% / 77.0%; 8 rows, 1 per SM: 64.6% / 72.7%; candidates.json).
+    # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED_ROWS):
+    # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/2026-12-01-h200-summed-backward/).
+    (2048, 4096, 8, dict(programs_per_sm=4)),
     # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop: 81.2%, with the residual's gradient 85.7% (in-kernel
     # bounds 81.5% / 66.6%; add-bwd-4096.json); in-kernel bounds 92.2% at 32768 rows (bwd.json). 4 rows x 16 warps,
     # the rung before: 70.8% / not measured, 88.0% at 32768 rows.
@@ -112,6 +113,12 @@ BWD_LADDER = (
     # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
     (16384, 16384, 16, dict(counted_loop=True, reload=True)),
 )
+# Rows per tile of a 2-byte backward launch whose dy sums 2 or 3 gradient tensors
+# (fusion.fuse_gradient_sums; launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 terms), at most
+# the launch's own. Elsewhere such a launch halves its rows per tile, which leaves registers for the
+# terms' loads. N=2048: 2 rows (the rung's) 80.5% with 2 terms (1 row 76.5%), 1 row 81.8% with 3 (2 rows
+# below 79%; tune.json of the folder above, 8192 rows with the residual's gradient).
+BWD_SUMMED_ROWS = {2048: (2, 1)}
 # The same for 4-byte dtypes (fp32), where the bf16 rungs are not the best (do_bench unless marked).
 BWD_LADDER_FP32 = (
     (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%; bwd-near.json)

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat, _triton_compat
 from torch_rmsnorm_op.config import (
+    BWD_SUMMED_ROWS,
     MERGE_SCRATCH_BYTES,
     MERGE_SCRATCH_SHARE,
     KernelConfig,
@@ -243,17 +244,20 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
     return MappingProxyType(out)
 
 
-def summed_gradient_consts(consts: Mapping, terms: int) -> dict:
+def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict:
     """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
-    gradient tensors: ``DY_TERMS``, and for the rows kernel half the rows per tile (at least 1),
-    which leaves registers for the terms' loads. The grid, the rows per group and the dweight
-    partials of the launch stay as they are (the row loop masks a tile that crosses its group's
-    end)."""
+    gradient tensors of ``elem_bytes`` bytes: ``DY_TERMS``, and for the rows kernel the rows per
+    tile, which leave registers for the terms' loads (``config.BWD_SUMMED_ROWS``; elsewhere half
+    the rows, at least 1). The grid, the rows per group and the dweight partials of the launch
+    stay as they are (the row loop masks a tile that crosses its group's end)."""
     out = {"DY_TERMS": terms}
     if "ROWS" in consts and consts["ROWS"] > 1:
-        out["ROWS"] = consts["ROWS"] // 2
-        if consts["ACC_ROWS"] == consts["ROWS"]:
-            out["ACC_ROWS"] = out["ROWS"]
+        table = BWD_SUMMED_ROWS.get(consts["BLOCK_N"]) if elem_bytes == 2 else None
+        rows = min(consts["ROWS"], table[terms - 2]) if table else consts["ROWS"] // 2
+        if rows != consts["ROWS"]:
+            out["ROWS"] = rows
+            if consts["ACC_ROWS"] == consts["ROWS"]:
+                out["ACC_ROWS"] = rows
     return out
 
 
@@ -296,7 +300,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize)
     if dy_terms:
-        consts = {**consts, **summed_gradient_consts(consts, 1 + len(dy_terms))}
+        consts = {**consts, **summed_gradient_consts(consts, 1 + len(dy_terms), dy.dtype.itemsize)}
     k = kernels or _kernels()
     if cfg.split > 1:
         slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=device)
