@@ -202,6 +202,49 @@ def test_which_norms_are_left_to_inductor(name, f, left):
     torch.testing.assert_close(gm(*inputs), want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("x_dtype,w_dtype,norm_dtype,offset,out_dtype", [
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, 0.0, None),  # Llama, Qwen3: w * n.to(x.dtype)
+    (torch.float16, torch.float16, torch.float16, 0.0, None),
+    (torch.bfloat16, torch.float32, torch.bfloat16, 0.0, None),  # an fp32 weight: the product in fp32
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, 0.0, torch.float32),  # a bf16 product would round twice
+    (torch.bfloat16, torch.float16, torch.float16, 0.0, None),  # fp16 * fp16 would round to fp16, then bf16
+    (torch.bfloat16, torch.bfloat16, None, 1.0, None),  # Gemma: n * (1 + w.float())
+    (torch.float32, torch.bfloat16, None, 0.0, None),
+    (torch.float64, torch.float32, torch.bfloat16, 0.0, None),
+    (torch.bfloat16, None, torch.bfloat16, 0.0, None),
+])
+def test_the_norm_left_to_inductor_has_the_ops_bits(x_dtype, w_dtype, norm_dtype, offset, out_dtype):
+    """``fusion._inductor_norm`` (the family's order of ops) gives the bits of the op's forward
+    (``reference.rms_norm_forward``) for every mix of dtypes, rounding and offset."""
+    from torch_rmsnorm_op import reference
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 96, generator=g) * 3).to(x_dtype)
+    w = None if w_dtype is None else torch.randn(96, generator=g).to(w_dtype)
+    got, _ = fusion._inductor_norm(x, w, 1e-6, weight_offset=offset, norm_dtype=norm_dtype, out_dtype=out_dtype)
+    want, _ = reference.rms_norm_forward(x, w, 1e-6, offset, norm_dtype, out_dtype)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_the_norm_left_to_inductor_differentiates_as_the_family_does():
+    """In a Llama-style bf16 norm's order of ops, the gradients of ``_inductor_norm`` are those
+    of the Hugging Face module, bit for bit: autograd sees the stock model's graph."""
+    import transformers
+
+    g = torch.Generator().manual_seed(0)
+    hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(96, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(96, generator=g) + 0.5)
+    x = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    dy = torch.randn(64, 96, generator=g).to(torch.bfloat16)
+    grads = []
+    for f in (hf, lambda t: fusion._inductor_norm(t, hf.weight, 1e-6, norm_dtype=torch.bfloat16)[0]):
+        xi = x.clone().requires_grad_()
+        grads.append(torch.autograd.grad(f(xi), (xi, hf.weight), dy))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 def test_a_norm_read_by_a_fused_add_stays_ours():
     """Gemma's post-attention norm: its output is added to the residual just before the next
     norm. The residual rewrite runs first and takes that add, so the norm feeds ``add_fwd`` and

@@ -116,8 +116,8 @@ BWD_LADDER = (
 # Rows per tile of a 2-byte backward launch whose dy sums 2 or 3 gradient tensors
 # (fusion.fuse_gradient_sums; launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 terms), at most
 # the launch's own. Elsewhere such a launch halves its rows per tile, which leaves registers for the
-# terms' loads. N=2048: 2 rows (the rung's) 80.5% with 2 terms (1 row 76.5%), 1 row 81.8% with 3 (2 rows
-# below 79%; tune.json of the folder above, 8192 rows with the residual's gradient).
+# terms' loads. N=2048 (8192 rows, with the residual's gradient): 2 rows (the rung's) 80.5% with 2 terms (1 row
+# 76.5%), 1 row 81.8% with 3 (2 rows below 79%; profiling/results/2026-12-01-h200-summed-backward/candidates.json).
 BWD_SUMMED_ROWS = {2048: (2, 1)}
 # The same for 4-byte dtypes (fp32), where the bf16 rungs are not the best (do_bench unless marked).
 BWD_LADDER_FP32 = (

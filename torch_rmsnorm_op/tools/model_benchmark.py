@@ -1043,7 +1043,7 @@ def markdown(result: dict) -> str:
     impls = [i for i in IMPLS if any(r["impl"] == i for r in result["rows"])]
     others = [i for i in impls if i != "stock"]
     lines = [
-        f"# Models: stock vs patched vs Liger on {result['gpu']}", "",
+        f"# Models: {' vs '.join({'liger': 'Liger'}.get(i, i) for i in impls)} on {result['gpu']}", "",
         f"torch {result['torch']}, Triton {result['triton']}, transformers {result['transformers']}, "
         f"liger_kernel {result['liger_kernel']}, {result['date']}. {result['timing']} Copy ceiling "
         f"**{result['copy_GBs']:.0f} GB/s**. GPU time with library kernels at stock's: the GPU-time ratio with "
