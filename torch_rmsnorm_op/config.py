@@ -103,6 +103,7 @@ BWD_LADDER = (
     # 2 per SM, counted loop, the rung before: 70.1% / 77.0%; 8 rows, 1 per SM: 64.6% / 72.7%; candidates.json).
     # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED_ROWS):
     # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/2026-12-01-h200-summed-backward/).
+    # 64 registers a thread (profiling/resource_usage.py): the 4 programs fit an SM's register file.
     (2048, 4096, 8, dict(programs_per_sm=4)),
     # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop: 81.2%, with the residual's gradient 85.7% (in-kernel
     # bounds 81.5% / 66.6%; add-bwd-4096.json); in-kernel bounds 92.2% at 32768 rows (bwd.json). 4 rows x 16 warps,
