@@ -37,7 +37,8 @@ def test_dweight_scratch_merges_in_pairs_only_where_it_is_large():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert merged_partials(132, 8192, 16384, bf16)  # 256 MiB, N = 16384: 8.25 MiB is 3.2% of dx
     assert not merged_partials(264, 32768, 4096, bf16)  # 256 MiB, N = 4096: 4.1 MiB is 1.6% of dx
-    assert merged_partials(264, 16384, 4096, bf16)  # 128 MiB: 3.2% of dx
+    assert not merged_partials(264, 16384, 4096, bf16)  # 128 MiB: 3.2% of dx, but 4.1 MiB
+    assert not merged_partials(512, 8192, 2048, bf16)  # a model's 8192 x 2048: 4 MiB, 12.5% of dx
     assert not merged_partials(4, 512, 262144, bf16)  # 4 MiB, 1.6% of dx
     assert not merged_partials(16, 128, 257, fp32)  # 16 KiB: not worth the merge's memset and wait
-    assert merged_partials(3, 30, 200000, fp32)  # a lone last group
+    assert merged_partials(7, 30, 262144, fp32)  # 7 MiB, a lone last group

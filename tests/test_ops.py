@@ -572,6 +572,28 @@ def test_tensors_off_the_current_device():
     torch.testing.assert_close(w.grad.double(), w2.grad, **dweight_tol(torch.float32, x.shape[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_one_row_group_writes_dweight_without_a_reduction(device, monkeypatch, dtype, split):
+    """A grid of one row group (here 3 rows in one group) has one partial row, which is dweight:
+    the kernel writes it in dweight's dtype, rounded once from fp32, and no reduction runs."""
+    from torch_rmsnorm_op.config import row_groups
+
+    m, n = 3, 96
+    cfg = KernelConfig(block_n=128 // split, rows=4, num_warps=1, split=split)
+    assert row_groups(m, n, torch.device(device), cfg) == (1, 4)
+    monkeypatch.setattr(launch, "reduce_dweight", lambda *a, **k: pytest.fail("a reduction ran"))
+    x, dy = torch.randn(m, n, device=device, dtype=dtype), torch.randn(m, n, device=device, dtype=dtype)
+    w = torch.randn(n, device=device, dtype=dtype)
+    _, rstd = reference.rms_norm_forward(x, None, 1e-6)
+    dx, dw = torch.empty_like(x), torch.full_like(w, float("nan"))
+    _backward(cfg, dy, x, w, rstd.float(), dx, dw)
+    want_dx, want_dw = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd.double())
+    torch.testing.assert_close(dw.double(), want_dw, **(BF16_ONE_ROUNDING if dtype == torch.bfloat16
+                                                      else few_roundings(torch.float32)))
+    torch.testing.assert_close(dx.double(), want_dx, **TOL[dtype])
+
+
 @pytest.mark.parametrize("merge", [True, False])
 @pytest.mark.parametrize("m", [5, 8])
 @pytest.mark.parametrize("split", [1, 2])
@@ -601,10 +623,17 @@ def test_dweight_partials_merge_in_pairs(device, monkeypatch, m, split, merge):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m,n", [(16384, 1024), (96, 65536)])
-def test_dweight_bits_do_not_depend_on_which_group_finishes_first(m, n):
-    """Hundreds of row groups (single-pass) or split-mode groups merge their partials in pairs
-    in whatever order they finish: dweight has the same bits on every run."""
+@pytest.mark.parametrize("m,n,merge", [(16384, 1024, False), (8192, 16384, True), (96, 65536, True)])
+def test_dweight_bits_do_not_depend_on_which_group_finishes_first(monkeypatch, m, n, merge):
+    """A thousand row groups (single-pass) or split-mode groups finish in whatever order, and
+    with merged partials (``launch.merged_partials``; forced for split mode, whose scratch stays
+    below the size) pair up in that order: dweight has the same bits on every run."""
+    from torch_rmsnorm_op.config import backward_config, row_groups
+
+    if merge and backward_config(n, torch.bfloat16).split > 1:
+        monkeypatch.setattr(launch, "MERGE_SCRATCH_BYTES", 0)
+    groups, _ = row_groups(m, n, torch.device("cuda"), backward_config(n, torch.bfloat16))
+    assert launch.merged_partials(groups, m, n, torch.bfloat16) == merge
     x, dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16), torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     _, rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6)

@@ -150,8 +150,11 @@ INTERPRETER_SM_COUNT = 4
 # (below it the scratch is within the target of dx + 2%; above it, merging above 1 MiB alone cost
 # 2.0-3.5% of fwd+bwd time at 4096 fp32, 32768 and 65536, dweight-merge-above-1MiB-bench.md). At the
 # benchmark's 256 MiB shapes that merges at N = 16384 only (peak extra 264.4 -> 260.2 MiB, dx + 3.3% ->
-# 1.6%); at 128 MiB, wherever the scratch would be ~3% of dx.
-MERGE_SCRATCH_BYTES = 1 << 20
+# 1.6%). The size is 6 MiB, between the scratch of the shapes models run, where merging cost 1.2-2.1 us
+# of a backward (4 MiB at 8192 x 2048 bf16, 512 groups: 33.9 -> 32.1 us unmerged; 2048 x 2048, 8192 x
+# 4096, 16384 x 2048 and the summed-gradient launches alike), and the 8.25 MiB at 8192 x 16384, where it
+# saved 4.2-4.7 us of 222.6 (profiling/results/2026-12-01-h200-dweight-reduction/).
+MERGE_SCRATCH_BYTES = 6 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
 # dweight reduction tile (reduce_tile): a stage's partial rows per step, up to REDUCE_BLOCK_P,
 # times as many columns as keep the tile at REDUCE_TILE elements (16 KiB of fp32 per program).
@@ -163,9 +166,11 @@ REDUCE_BLOCK_P = 128
 # Rows per split of a two-stage reduction's first stage, at least.
 REDUCE_SPLIT_ROWS = 32
 # The reduction runs one program per column tile. When one stage would have fewer programs
-# than SMs (N = 1024: 8 tiles of 128 columns, each summing a thousand partial rows), a first
-# stage splits the partial rows too, for about this many programs per SM (fixed splits, so
-# still one fixed order).
+# than half the SMs (N = 1024: 8 tiles of 128 columns, each summing a thousand partial rows), a
+# first stage splits the partial rows too, for about this many programs per SM (fixed splits,
+# so still one fixed order). From half the SMs up one stage wins: 264 partial rows at N = 4096,
+# 128 programs, 57.1 -> 55.9 us of backward at 8192 x 4096 (one stage cost 3.2% at 131072 x 1024,
+# 1056 rows in 32 tiles; profiling/results/2026-12-01-h200-dweight-reduction/).
 REDUCE_PROGRAMS_PER_SM = 2
 
 
@@ -284,7 +289,7 @@ def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
     """Row splits of the dweight reduction's first stage (1: a single stage). Every split
     gets at least one partial row."""
     sms = sm_count(device)
-    if cdiv(n, reduce_tile(partial_rows)[1]) >= sms:
+    if 2 * cdiv(n, reduce_tile(partial_rows)[1]) >= sms:
         return 1
     want = cdiv(REDUCE_PROGRAMS_PER_SM * sms, cdiv(n, reduce_tile(REDUCE_SPLIT_ROWS)[1]))
     splits = max(1, min(want, cdiv(partial_rows, REDUCE_SPLIT_ROWS)))

@@ -265,7 +265,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
              dweight: Tensor | None, dres: Tensor | None = None, workspace: Tensor | None = None,
              traced: bool = False, kernels: ModuleType | None = None, dy_terms: tuple[Tensor, ...] = ()) -> None:
     """Write ``dx`` (plus ``dres``, the gradient that reached the forward's residual sum, if
-    given) and, with a weight, ``dweight`` [N], as ``plan`` says (M, N >= 1). ``x`` is addressed
+    given) and, with a weight, ``dweight`` [N] (contiguous), as ``plan`` says (M, N >= 1): one
+    launch, and a dweight reduction unless the grid is a single row group. ``x`` is addressed
     by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
     ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
     ``dy_terms``: up to two more tensors of dy's dtype and strides; the gradient is then their
@@ -279,10 +280,15 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     has_weight = weight is not None
     partial = flags = mid = None
     merge = False
+    direct = False
     if has_weight:
         rows, merge = _partials(plan, x.dtype, device)
         splits = _reduce_splits(rows, n, device)
-        if workspace is not None:
+        # One row group: its partial row is dweight, written by the kernel in dweight's dtype.
+        direct = type(rows) is int and rows == 1 and not merge
+        if direct:
+            partial = dweight
+        elif workspace is not None:
             partial, mid = workspace[:rows], workspace[rows:]
         else:
             # Two tensors, not views of one: while tracing, a kernel writing into a view of a
@@ -311,7 +317,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     else:
         _launch(k._rms_norm_bwd_rows, (groups,), [*ptrs, m, n, rows_per_group, *strides], consts, cfg.num_warps,
                 device, traced)
-    if has_weight:
+    if has_weight and not direct:
         bound = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
         reduce_dweight(partial, dweight, mid, bound, traced, k)
 

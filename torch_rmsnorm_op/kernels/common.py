@@ -118,8 +118,9 @@ def _merge_partial(value, ROW, mask, FLAG):
 def _store_partial(value, DW_PARTIAL, DW_FLAGS, group, N, cols, mask, SPLIT: tl.constexpr, chunk,
                    MERGE: tl.constexpr):
     """Write this program's dweight partial (columns ``cols`` of its group's): its group's row,
-    or with MERGE its pair's (``_merge_partial``)."""
+    or with MERGE its pair's (``_merge_partial``). The row is stored in DW_PARTIAL's dtype: with
+    one row group the launcher passes dweight itself, and the partial is the sum."""
     if MERGE:
         _merge_partial(value, DW_PARTIAL + group // 2 * N + cols, mask, DW_FLAGS + group // 2 * SPLIT + chunk)
     else:
-        tl.store(DW_PARTIAL + group * N + cols, value, mask=mask)
+        tl.store(DW_PARTIAL + group * N + cols, value.to(DW_PARTIAL.dtype.element_ty), mask=mask)
