@@ -16,7 +16,9 @@ read x, write y; add_fwd: read x and the residual, write y and the sum; bwd: rea
 term of dy, write dx; add_bwd: also read the sum's gradient) over the time, against the copy
 ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
 same bytes at the same size (half read, half written; rotating like the inputs), what streaming
-alone reaches at this size, launch and tail included.
+alone reaches at this size, launch and tail included. ``max_err``: the max abs error of y (or dx)
+against the float64 reference; ``dweight_rel_err`` (backward): dweight's, over its largest
+element.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
 [--wdtype float32] [--inductor] [--table-only]``; writes ``DIR/<tag>.json``.
@@ -140,20 +142,22 @@ def run_ours(job: Job, cfg: KernelConfig, item: dict) -> None:
         launch.forward(plan, item["x"], item["w"], EPS, item["y"], item["rstd_out"], item["r"], item["h"])
 
 
-def check(job: Job, item: dict) -> float:
-    """Max abs error of the outputs just written against the float64 reference."""
+def check(job: Job, item: dict) -> tuple[float, float | None]:
+    """Max abs error of the outputs just written (y, or dx) against the float64 reference, and
+    for a backward dweight's max abs error relative to its largest element (None forward)."""
     s64 = item["s"].double()
     if job.backward:
         # The terms' sum as the kernel takes it: in fp32, rounded once to dy's dtype.
         dy = sum((t.float() for t in item["dy_terms"]), item["dy"].float()).to(item["dy"].dtype).double()
         if job.residual:
-            dx, _ = reference.add_rms_norm_backward(dy, item["dres"].double(), s64, item["w"].double(),
-                                                    item["rstd"].double())
+            dx, dw = reference.add_rms_norm_backward(dy, item["dres"].double(), s64, item["w"].double(),
+                                                     item["rstd"].double())
         else:
-            dx, _ = reference.rms_norm_backward(dy, s64, item["w"].double(), item["rstd"].double())
-        return (item["dx"].double() - dx).abs().max().item()
+            dx, dw = reference.rms_norm_backward(dy, s64, item["w"].double(), item["rstd"].double())
+        dw_err = (item["dw"].double() - dw).abs().max().item() / max(dw.abs().max().item(), 1e-30)
+        return (item["dx"].double() - dx).abs().max().item(), dw_err
     y, _ = reference.rms_norm_forward(s64, item["w"].double(), EPS)
-    return (item["y"].double() - y).abs().max().item()
+    return (item["y"].double() - y).abs().max().item(), None
 
 
 def gpu_us(step, count: int, iters: int = 10, repeats: int = 3) -> float:
@@ -243,13 +247,13 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
     for cfg in cfgs:
         try:
             run_ours(job, cfg, sets.items[0])
-            err = check(job, sets.items[0])
+            err, dw_err = check(job, sets.items[0])
             us = gpu_us(lambda i, cfg=cfg: run_ours(job, cfg, sets.items[i]), len(sets.items))
         except Exception as e:  # noqa: BLE001 - an unbuildable config is a data point
             print(f"  {cfg} failed: {repr(e)[:100]}", flush=True)
             continue
         rows.append(dict(us=us, pct=per_set / (us * 1e-6) / 1e9 / copy_gbs * 100, cfg=cfg.__dict__, max_err=err,
-                         table=cfg == table))
+                         table=cfg == table, **({} if dw_err is None else {"dweight_rel_err": dw_err})))
     rows.sort(key=lambda r: r["us"])
     out = dict(job=job.name, dtype=str(job.dtype), wdtype=str(job.wdtype), rows=rows)
     cur = next(r for r in rows if r["table"])

@@ -42,8 +42,8 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
 
 def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
     """``profiling/tune.py --dry-run`` runs each job's table configuration and candidates on CPU
-    through the interpreter, checks each against the float64 reference and writes the JSON; a
-    backward job may sum its dy from several terms (``:3``)."""
+    through the interpreter, checks each against the float64 reference (a backward's dx and
+    dweight) and writes the JSON; a backward job may sum its dy from several terms (``:3``)."""
     jobs = ["fwd:16:256", "bwd:16:256", "add_bwd:16:256:3"]
     out = subprocess.run([sys.executable, "profiling/tune.py", "--dry-run", "--jobs", ",".join(jobs), "--dtype",
                           "float32", "--wdtype", "float32", "--out", str(tmp_path), "--tag", "dry"],
@@ -60,6 +60,8 @@ def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
         for row in job["rows"]:
             assert {"us", "pct", "cfg", "max_err", "table"} <= set(row), row
             assert row["max_err"] < TOL[torch.float32]["atol"], row
+            if job["job"].startswith(("bwd", "add_bwd")):
+                assert row["dweight_rel_err"] < 1e-5, row
 
 
 @pytest.mark.parametrize("merge", [False, True])
