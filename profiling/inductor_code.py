@@ -1,10 +1,10 @@
 """Inductor's generated Triton code for the benchmark's compiled ``nn.RMSNorm``, to read beside ours.
 
-For each bf16 shape (x of 256 MiB, as in the benchmark), compiles the module as the
+For each bf16 shape (x of 256 MiB, as in the benchmark, or ``--m`` rows), compiles the module as the
 benchmark does, runs a forward (no grad) and a forward+backward, and writes every
 generated source into one file, with the kernels' launch configurations as Inductor's
 autotuner left them in the code.
-Run on a CUDA machine: ``python profiling/inductor_code.py --out DIR [--n 1024,32768]``.
+Run on a CUDA machine: ``python profiling/inductor_code.py --out DIR [--n 1024,32768] [--m 8192]``.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--n", default="256,1024,8192,16384,32768,65536")
+    p.add_argument("--m", type=int, help="rows of x (default: the benchmark's, x of 256 MiB)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     parts = [f"# torch {torch.__version__}, {torch.cuda.get_device_name()}\n"]
     for n in map(int, args.n.split(",")):
-        m = BANDWIDTH_BYTES // (n * 2)
+        m = args.m or BANDWIDTH_BYTES // (n * 2)
         impls, _ = implementations(n, torch.bfloat16, "cuda")
         x = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn_like(x)

@@ -1,13 +1,15 @@
 """Inductor's generated code and every device kernel's time for one model benchmark configuration,
 stock and patched side by side: what to read when a patched model's other kernels move.
 
-For each impl it builds the model as ``bench-models`` does (``torch_rmsnorm_op.tools.model_benchmark``),
-compiles it, runs the pass once under ``torch._inductor.utils.run_and_get_code`` and writes the
-generated sources to ``DIR/<model>-<tokens>-<pass>-<impl>.py``; then profiles ``--steps`` steps and
-writes every device kernel's time per step (µs, largest first) to ``...-<impl>-kernels.txt``.
+For each impl, in turn in one process, it builds the model as ``bench-models`` does
+(``torch_rmsnorm_op.tools.model_benchmark``), compiles it (``--mode``), runs the pass once under
+``torch._inductor.utils.run_and_get_code`` and writes the generated sources to
+``DIR/<model>-<hidden>-<tokens>-<pass>-<impl>.py`` (``-<mode>`` before ``-<impl>`` unless default);
+then profiles ``--steps`` steps and writes every device kernel's time per step (µs, largest first)
+to ``...-<impl>-kernels.txt``.
 
 Run on a CUDA machine: ``python profiling/model_code.py --out DIR [--model llama] [--hidden 2048]
-[--tokens 4x2048] [--pass infer] [--impls stock,patched]``.
+[--tokens 4x2048] [--pass infer] [--mode default] [--impls stock,patched]``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048, choices=tuple(mb.SIZES))
     p.add_argument("--tokens", default="4x2048")
     p.add_argument("--pass", dest="pass_", default="infer", choices=mb.PASSES)
+    p.add_argument("--mode", default="default", choices=("default", "reduce-overhead"))
     p.add_argument("--impls", default="stock,patched")
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
@@ -44,10 +47,12 @@ def main() -> None:
     weights = [m.weight for m in mb.norm_modules(model)]  # before a patch swaps the modules
     os.makedirs(args.out, exist_ok=True)
     for impl in args.impls.split(","):
-        stem = os.path.join(args.out, f"{args.model}-{args.hidden}-{args.tokens}-{args.pass_}-{impl}")
+        mode = "" if args.mode == "default" else f"-{args.mode}"
+        stem = os.path.join(args.out, f"{args.model}-{args.hidden}-{args.tokens}-{args.pass_}{mode}-{impl}")
         torch.compiler.reset()
         with mb.implementation(model, impl) as (_, step_context), step_context():
-            steps = mb.Steps(mb._compile(model, "default", "inductor"), model, ids, False, weights)
+            steps = mb.Steps(mb._compile(model, args.mode, "inductor"), model, ids, args.mode == "reduce-overhead",
+                             weights)
             _, codes = run_and_get_code(steps.first, args.pass_)
             with open(stem + ".py", "w") as f:
                 f.write(f"# torch {torch.__version__}, {torch.cuda.get_device_name()}\n")

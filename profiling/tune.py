@@ -53,7 +53,8 @@ REAL_NS = (128, 2048, 3584, 4096, 5120, 7168, 8192)
 
 def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Whole rows per program (512-16K elements, 1-16 warps, at least 8 elements per thread;
-    without masks where N is a power of two) and the looped form (2K-4K columns per step)."""
+    without masks where N is a power of two) and the looped form (2K-4K columns per step; where
+    N is not a power of two, also 512-2K columns per step that divide N, without masks)."""
     block = triton.next_power_of_2(n)
     exact = block == n
     out = []
@@ -63,6 +64,10 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     if n >= 2048:
         out += [KernelConfig(b, 1, w, looped=True, mask_free=n % b == 0) for b, w in ((2048, 8), (4096, 8), (4096, 16))
                 if b <= block]
+    # Where N is not a power of two, steps that divide it: every lane loads, no masks.
+    if n != block:
+        steps = ((512, 1), (512, 2), (512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4))
+        out += [KernelConfig(b, 1, w, looped=True, mask_free=True) for b, w in steps if n % b == 0 and b < n]
     return out
 
 
@@ -317,8 +322,8 @@ def main() -> None:
         job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype),
                   int(terms[0]) if terms else 1)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
-        table = fit_to_rows((backward_config if job.backward else forward_config)(job.n, job.dtype), job.m,
-                            torch.device(DEVICE))
+        cfg = backward_config(job.n, job.dtype) if job.backward else forward_config(job.n, job.dtype, job.residual)
+        table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
         jobs.append((job, candidates(job, table, args.table_only)))
     if args.workers > 1:
         precompile(jobs, args.workers)

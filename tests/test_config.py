@@ -16,8 +16,8 @@ def _lengths():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_every_row_length_is_covered(dtype):
-    for n in _lengths():
-        for cfg in (forward_config(n, dtype), backward_config(n, dtype)):
+    for n in (*_lengths(), 1536, 5120, 5632, 6144, 7168):
+        for cfg in (forward_config(n, dtype), forward_config(n, dtype, residual=True), backward_config(n, dtype)):
             assert 1 <= cfg.split <= MAX_SPLIT, (n, cfg)
             # Split mode: its programs cover the row (a power of two of them, some may be
             # empty); a looped program steps over any row; otherwise one block holds a whole row.
@@ -26,6 +26,23 @@ def test_every_row_length_is_covered(dtype):
             elif not cfg.looped:
                 assert cfg.block_n >= n, (n, cfg)
             assert cfg.num_warps * 32 <= cfg.block_n * cfg.rows or cfg.block_n * cfg.rows < 128, (n, cfg)
+
+
+def test_forward_rungs_that_only_some_row_lengths_take():
+    """Rungs with ``divides`` serve only N that their step divides, and ``plain`` ones only the
+    forward without a residual: other N, and the forward with a residual, take the next rung."""
+    bf16 = torch.bfloat16
+    plain, summed = forward_config(5120, bf16), forward_config(5120, bf16, residual=True)
+    assert (plain.looped, plain.block_n, plain.num_warps, plain.mask_free) == (True, 1024, 8, True)
+    assert (summed.looped, summed.block_n, summed.rows, summed.num_warps) == (False, 8192, 1, 4)
+    for residual in (False, True):
+        six = forward_config(6144, bf16, residual)
+        assert (six.looped, six.block_n, six.mask_free) == (True, 2048, True)
+        assert forward_config(5632, bf16, residual) == summed  # 2048 does not divide 5632
+    assert forward_config(4608, bf16) == summed  # nor 1024 4608
+    assert forward_config(5120, torch.float32) == forward_config(5120, torch.float32, residual=True)
+    assert forward_config(1536, bf16) == forward_config(1536, bf16, residual=True)
+    assert (forward_config(1536, bf16).rows, forward_config(1536, bf16).num_warps) == (1, 4)
 
 
 def test_dweight_scratch_merges_in_pairs_only_where_it_is_large():

@@ -29,7 +29,7 @@ def mode(request, monkeypatch):
     if request.param == "table":
         return request.param
     fwd, bwd = MODES[request.param]
-    monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype: fwd)
+    monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype, residual=False: fwd)
     monkeypatch.setattr(dispatch, "backward_config", lambda n, dtype: bwd)
     monkeypatch.setattr(dispatch, "_PLANS", {})
     return request.param
@@ -715,3 +715,21 @@ def test_contiguous_tensor_past_2_to_the_31_elements():
     dx_ref, _ = reference.rms_norm_backward(dy[tail].double(), x[tail].double(), w.double(), rstd_ref)
     torch.testing.assert_close(y[tail].double(), y_ref, **TOL[torch.bfloat16])
     torch.testing.assert_close(dx[tail].double(), dx_ref, **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("n", [1536, 5120, 6144])
+def test_forward_rungs_of_hidden_sizes_that_are_not_powers_of_two(device, n):
+    """The table's forward at such N (``config.FWD_LADDER``: 5,120 looped without a residual and
+    single-pass with one, 6,144 looped in steps of 2,048), through the public functions: the
+    reference's values, with and without the residual add, and the plan says which rung ran."""
+    x, r = (torch.randn(3, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
+    y = T.rms_norm(x, (n,), w, 1e-6)
+    y2, s = T.add_rms_norm(x, r, (n,), w, 1e-6)
+    y_ref, _ = reference.rms_norm_forward(x, w, 1e-6)
+    y2_ref, s_ref, _ = reference.add_rms_norm_forward(x, r, w, 1e-6)
+    torch.testing.assert_close(y, y_ref, **TOL[torch.bfloat16])
+    torch.testing.assert_close(y2, y2_ref, **TOL[torch.bfloat16])
+    torch.testing.assert_close(s, s_ref, **TOL[torch.bfloat16])
+    plain, summed = dispatch.forward_plan(x, w).cfg, dispatch.forward_plan(x, w, r).cfg
+    assert (plain.looped, summed.looped) == {1536: (False, False), 5120: (True, False), 6144: (True, True)}[n]

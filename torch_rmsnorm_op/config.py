@@ -32,10 +32,16 @@ MAX_SPLIT = 128
 #
 # Forward: (max N, elements per program, warps, options). Single-pass (whole rows in
 # registers), or looped (``looped``: one row per program, elements = columns per step, x read
-# twice, the second time from cache: Inductor's loop).
+# twice, the second time from cache: Inductor's loop). Two options only pick the rung: ``divides``
+# (N a multiple of the elements; other N go on down the ladder) and ``plain`` (forwards without a
+# residual only). Rungs marked "steps" are from profiling/results/2026-12-01-h200-forward-steps/
+# (8192 rows, inputs past L2; fwd-steps.json without the residual, add-fwd-steps.json with it).
 FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
+    # Steps: N=1536 1 row x 4 warps 81.2%, with the residual 90.7% (2 rows x 8 warps, the N=2048 rung: 75.1% /
+    # 90.3%; 2 rows x 1 warp 83.9% / 87.2%).
+    (2047, 2048, 4, {}),
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
     # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%).
@@ -44,8 +50,16 @@ FWD_LADDER = (
     # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
     # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
     (4096, 4096, 8, dict(looped=True, mask_free=True)),
+    # Steps: N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: 93.3%, 96.8% at
+    # 16384 rows (1 row x 4 warps: 84.6%, 87.0%); with the residual the single-pass rung below stays (95.5%;
+    # looped 92.7%).
+    (5120, 1024, 8, dict(looped=True, mask_free=True, divides=True, plain=True)),
+    # Steps: N=6144 looped in 3 steps of 2048 x 8 warps: 95.9%, with the residual 95.6% (1 row x 4 warps: 91.4% /
+    # 95.7%).
+    (6144, 2048, 8, dict(looped=True, mask_free=True, divides=True)),
     # N=5120 1 row x 8 warps 84.2%, 4 warps 83.9% (looped 4096 x 16, the rung above before: 71.5%); 7168 4 warps
-    # 94.4%, 8 warps 94.0% (89.8%); at N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
+    # 94.4%, 8 warps 94.0% (89.8%; looped 1024 x 8 without masks 92.9%, steps); at N=8192 the looped rung stays
+    # (97.8% against 93.7%; sweep.json).
     (8191, 8192, 4, {}),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
     # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
@@ -224,10 +238,14 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
 
 
-def _config(n: int, ladder: tuple, split_ladder: tuple) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, options in ladder:
         if n <= max_n:
+            options = dict(options)
+            divides, plain = options.pop("divides", False), options.pop("plain", False)
+            if (divides and n % elements) or (plain and residual):
+                continue
             looped = options.get("looped", False)
             if looped:  # elements = columns per step, one row per program
                 block = min(block, elements)
@@ -256,11 +274,12 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
 
 
 @functools.cache
-def forward_config(n: int, dtype: torch.dtype) -> KernelConfig:
-    """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``)."""
+def forward_config(n: int, dtype: torch.dtype, residual: bool = False) -> KernelConfig:
+    """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``) of ``dtype`` (the
+    normalized sum's, with ``residual``: the forward that adds a residual first)."""
     if dtype.itemsize == 4:
-        return _config(n, FWD_LADDER_FP32, FWD_SPLIT_FP32)
-    return _config(n, FWD_LADDER, FWD_SPLIT)
+        return _config(n, FWD_LADDER_FP32, FWD_SPLIT_FP32, residual)
+    return _config(n, FWD_LADDER, FWD_SPLIT, residual)
 
 
 @functools.cache
