@@ -69,14 +69,13 @@ def test_table_fits_in_registers(merge):
     """``profiling/resource_usage.py`` compiles the table's configurations for the H200 without a
     GPU, specialized as the launcher specializes them at the benchmark's shapes: the 2-byte
     forward ones at the benchmark's N (rows, looped and split kernels) and at models' N of 1,536,
-    5,120 and 6,144, and the 2-byte split-mode
-    backward ones must not spill (a split backward of 16384 columns x 8 warps, 255 registers and
-    544 B of stack under Triton 3.6, ran at 36% of copy against 70% for 8192 x 8); nor must the
-    split-mode backward with its dweight partials merged in pairs (``--merge``, as at 128 MiB
-    shapes)."""
+    5,120 and 6,144, and the 2-byte split-mode backward ones must not spill (a split backward of
+    16384 columns x 8 warps, 255 registers and 544 B of stack under Triton 3.6, ran at 36% of copy
+    against 70% for 8192 x 8); nor must the split-mode backward with its dweight partials merged
+    in pairs (``--merge``, as at 128 MiB shapes)."""
     jobs = [] if merge else [f"fwd:{dtype}:{n}" for dtype in ("bfloat16", "float16")
                              for n in (256, 1024, 4096, 8192, 16384, 32768, 65536, 262144)]
-    # and the rungs of hidden sizes that are not powers of two, with and without the residual add
+    # the rungs of hidden sizes that are not powers of two, with and without the residual add
     jobs += [] if merge else ["fwd:bfloat16:1536", "fwd:bfloat16:5120", "fwd:bfloat16:6144", "add_fwd:bfloat16:5120"]
     jobs += [f"bwd:{dtype}:{n}" for dtype in ("bfloat16", "float16") for n in (32768, 65536, 262144)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # it compiles, not interprets

@@ -57,9 +57,9 @@ FWD_LADDER = (
     # Steps: N=6144 looped in 3 steps of 2048 x 8 warps: 95.9%, with the residual 95.6% (1 row x 4 warps: 91.4% /
     # 95.7%).
     (6144, 2048, 8, dict(looped=True, mask_free=True, divides=True)),
-    # N=5120 1 row x 8 warps 84.2%, 4 warps 83.9% (looped 4096 x 16, the rung above before: 71.5%); 7168 4 warps
-    # 94.4%, 8 warps 94.0% (89.8%; looped 1024 x 8 without masks 92.9%, steps); at N=8192 the looped rung stays
-    # (97.8% against 93.7%; sweep.json).
+    # N=7168 1 row x 4 warps 94.4%, 8 warps 94.0% (looped 4096 x 16, the rung above before: 89.8%; looped 1024 x 8
+    # without masks 92.9%, steps); N=5120 without a residual, before the looped rung: 4 warps 83.9%, 8 warps 84.2%
+    # (sweep.json); with the residual 95.5% (steps); at N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
     (8191, 8192, 4, {}),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
     # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
