@@ -15,10 +15,14 @@ the job. Checked on torch 2.11 and 2.13.
 - ``triton_kernel_wrapper_functional()``, ``traced_triton_kernel(idx)``,
   ``constant_args(idx)`` and ``with_constant_args(idx, **more)``: the node a traced Triton
   launch is in a post-grad graph, the kernel it launches, and its constant arguments, as they
-  are and with changes (the kernel side table), for ``fusion.fuse_gradient_sums``.
+  are and with changes (the kernel side table), for ``fusion.fuse_gradient_sums``;
+- ``compile_workers_running()``: whether Inductor's compile worker processes have started
+  (its set of pools), for ``static_launch.install``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch._C._functorch import TransformType, peek_interpreter_stack
@@ -26,6 +30,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 __all__ = [
     "FunctionalTensorMode",
+    "compile_workers_running",
     "constant_args",
     "decomposing_custom_triton_ops",
     "dispatcher_has_nothing_to_do",
@@ -102,3 +107,10 @@ def with_constant_args(constant_args_idx: int, **more) -> int:
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
     return kernel_side_table.add_constant_args({**constant_args(constant_args_idx), **more})
+
+
+def compile_workers_running() -> bool:
+    """Whether Inductor has started compile worker processes in this process (False where this
+    torch does not say)."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")  # not imported: none started
+    return bool(getattr(async_compile, "_pool_set", ()))

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from torch_rmsnorm_op import fusion
+from torch_rmsnorm_op import fusion, static_launch
 from torch_rmsnorm_op.module import RMSNorm
 from torch_rmsnorm_op.recognize import Semantics, recognize
 
@@ -145,8 +145,10 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
         replaced[id(child)] = patched
         report.swapped.append(Swapped(name, type(child).__name__, patched.semantics.name))
     if report.swapped:
-        # Compiled with Inductor, the rewrites of fusion.py fuse the ops around the swapped norms.
+        # Compiled with Inductor, the rewrites of fusion.py fuse the ops around the swapped norms,
+        # and the generated code launches our kernels through Inductor's static launcher.
         fusion.install()
+        static_launch.install()
     return report
 
 

@@ -8,7 +8,10 @@ configuration is (model, hidden, layers, tokens, mode, pass, impl):
 - ``impl``: ``stock`` is ``torch.compile(model)``; ``patched`` is
   ``torch_rmsnorm_op.patch_rmsnorm(model)`` then ``torch.compile``, run under
   the ``"error"`` fallback policy (a norm the kernels do not serve fails the
-  row instead of timing the reference); ``liger`` swaps each RMSNorm module of
+  row instead of timing the reference); a run with ``patched`` sets Inductor's static
+  launch of user-defined Triton kernels (``torch_rmsnorm_op.static_launch``) before its
+  first compile, as patching before compiling does (Liger's kernels, launched by the same
+  generated code, are launched statically too); ``liger`` swaps each RMSNorm module of
   this model instance for ``liger_kernel``'s ``LigerRMSNorm`` holding the same
   weight Parameter (no global class is touched), then compiles; it runs only
   where ``liger_kernel`` imports. Each impl runs on its own deep copy of one
@@ -147,6 +150,8 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
+
+from torch_rmsnorm_op import static_launch
 
 # family -> (config class, model class) in transformers
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -847,6 +852,10 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
 
     _log(f"{gpu}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
          f"liger_kernel {liger}; {sel.compiles()} compiles")
+    if "patched" in sel.impls:
+        # As for a user who patches before compiling: set before any compile starts Inductor's
+        # workers (and before the cache-warming processes, which inherit it).
+        static_launch.install()
     if compile_jobs > 0:
         warm_caches(sel, compile_jobs)
     from torch_rmsnorm_op.tools.benchmark import copy_ceiling
