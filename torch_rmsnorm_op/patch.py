@@ -121,7 +121,9 @@ def _named_children_recursive(model: nn.Module) -> Iterator[tuple[str, nn.Module
 def patch_rmsnorm(model: nn.Module) -> PatchReport:
     """Swap, in place, every RMSNorm inside ``model`` (not ``model`` itself) whose semantics the
     probe proves (module docstring) for a ``PatchedRMSNorm``; report every module examined
-    and left alone, with the reason. Patching twice changes nothing more."""
+    and left alone, with the reason. Patching twice changes nothing more. Where a norm is
+    swapped, it also installs, for graphs compiled afterwards, the compile-time rewrites of
+    ``fusion`` and Inductor's static launch of our kernels (``static_launch``)."""
     report = PatchReport()
     cache: dict = {}  # one probe per kind of module (class, attributes, weight dtype), not per module
     if not isinstance(model, PatchedRMSNorm) and _replacement(model, cache)[0] is not None:
