@@ -10,7 +10,7 @@ import operator
 import pytest
 import torch
 from checks import compiling_afresh
-from tolerances import MODEL
+from tolerances import MODEL, few_roundings
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 
@@ -481,8 +481,10 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
     """A patched bf16 decoder compiled with Inductor on CUDA: in each layer the attention norm's
     backward sums the q, k and v projections' gradients and the MLP norm's the gate and up
     projections' (two launches a layer take their sums, but in the first layer, whose attention
-    norm reads the embeddings and is Inductor's); the loss and every gradient are the bits of
-    the same model compiled with the rewrite off."""
+    norm reads the embeddings and is Inductor's); the loss and every gradient but the norms'
+    weights are the bits of the same model compiled with the rewrite off, and those within their
+    last place (a summing launch whose tiles hold fewer rows adds dweight's rows in another
+    order)."""
     layers = 2
     base = _tiny(family, layers).cuda().to(torch.bfloat16).train()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
@@ -506,7 +508,10 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
     (loss_on, grads_on), (loss_off, grads_off) = results
     assert torch.equal(loss_on, loss_off)
     for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):
-        assert torch.equal(a, b), name
+        if "norm" in name:
+            torch.testing.assert_close(a, b, **few_roundings(a.dtype), msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.cuda

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from tolerances import TOL
+from tolerances import TOL, few_roundings
 
 from torch_rmsnorm_op import dispatch, launch, reference
 from torch_rmsnorm_op.config import KernelConfig
@@ -120,8 +120,11 @@ def test_backward_is_bitwise_deterministic(device, strategy):
 @pytest.mark.parametrize("terms", [2, 3])
 def test_backward_sums_its_gradient_terms(device, strategy, terms):
     """``dy_terms``: the kernel adds the gradient's terms as Inductor's fused sum does (in fp32,
-    rounded once to bf16), so dx and dweight are the bits of a backward given that sum; and
-    with the tile rows ``launch.summed_gradient_consts`` gives a compiled launch."""
+    rounded once to bf16), so dx is the bits of a backward given that sum, with the tile rows
+    ``launch.summed_gradient_consts`` gives a compiled launch. dweight is those bits where the
+    tiles keep their rows (split); where they hold fewer (rows: 2 → 1), its rows are added in
+    another order in fp32 before the one rounding to bf16, which may then differ in the last
+    place."""
     x = torch.randn(18, 60, device=device, dtype=torch.bfloat16)
     w = torch.randn(60, device=device, dtype=torch.bfloat16)
     parts = [torch.randn(x.shape, device=device, dtype=x.dtype) for _ in range(terms)]
@@ -133,7 +136,12 @@ def test_backward_sums_its_gradient_terms(device, strategy, terms):
         dx, dw = _poison(x.shape, x.dtype, device), _poison(w.shape, w.dtype, device)
         launch.backward(plan, dy, x, w, rstd, dx, dw, dy_terms=more)
         outs.append((dx, dw))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    (dx_sum, dw_sum), (dx_terms, dw_terms) = outs
+    assert torch.equal(dx_terms, dx_sum)
+    if strategy == "split":
+        assert torch.equal(dw_terms, dw_sum)
+    else:
+        torch.testing.assert_close(dw_terms, dw_sum, **few_roundings(torch.bfloat16))
 
 
 def test_backward_rejects_unlike_gradient_terms(device):

@@ -57,11 +57,14 @@ our backward kernel (on CUDA, where the compiled graph launches the kernels itse
 hands the terms to the kernel (``DY``, ``DY2``, ``DY3``, ``DY_TERMS``), which adds them in fp32
 and rounds once to the gradient's dtype, as Inductor computes a sum it fuses, and the adds leave
 the graph: where the terms are tensors the graph materializes anyway (the projections' matmul
-outputs), the same bits as without the rewrite; a term that is itself a pointwise result,
-which Inductor could have fused into the sum unrounded, is rounded to its dtype first (as eager
-torch rounds it). Only same-dtype, same-shape, same-strides terms are taken. The pass runs as Inductor's
-``post_grad_custom_post_pass``, on the backward graph AOTAutograd has partitioned. Turn it off
-with ``set_gradient_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
+outputs), dx is the same bits as without the rewrite, and dweight too where the summing launch
+keeps its tile's rows; where it takes fewer (``launch.summed_gradient_consts``), dweight's rows
+are added in another order in fp32, and its one rounding may differ in the last place; a term
+that is itself a pointwise result, which Inductor could have fused into the sum unrounded, is
+rounded to its dtype first (as eager torch rounds it). Only same-dtype, same-shape,
+same-strides terms are taken. The pass runs as Inductor's ``post_grad_custom_post_pass``, on
+the backward graph AOTAutograd has partitioned. Turn it off with ``set_gradient_fusion(False)``
+or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 
 The passes are ``CustomGraphPass`` objects (one per stage) with a ``uuid()`` (compiled graphs stay
 cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or ``install()``, chained with any
