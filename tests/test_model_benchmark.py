@@ -11,7 +11,8 @@ import torch
 
 from torch_rmsnorm_op.tools import model_benchmark as mb
 
-ROW_FIELDS = {"model", "hidden", "layers", "tokens", "mode", "pass", "impl", "step_ms", "gpu_ms", "norm_kernels",
+ROW_FIELDS = {"model", "hidden", "layers", "tokens", "mode", "pass", "impl", "step_ms", "step_ms_rounds", "gpu_ms",
+              "norm_kernels",
               "reference", "matches_reference", "norm_modules", "norm_modules_swapped", "norm_floor_bytes",
               "norm_floor_bytes_without_adds", "copy_GBs", "compile_s"}
 TRAIN_FIELDS = {"loss", "loss_abs_err", "loss_rel_err", "grad_rel_l2_err"}
@@ -61,6 +62,8 @@ def test_smoke_run_writes_the_declared_schema(smoke):
         spec = mb.ModelSpec.of(row["model"], 64, smoke=True)
         assert row["norm_floor_bytes"] == mb.norm_byte_floor(spec, 8, row["pass"])
         assert row["norm_modules"] == 5
+        assert len(row["step_ms_rounds"]) == row["rounds"], row
+        assert (row["impl"] == "stock") == ("step_ratio_paired" not in row), row
         if row["impl"] == "patched":
             assert row["norm_modules_swapped"] == row["norm_modules"]
             ours = {name: k for name, k in row["norm_kernels"].items() if k["source"] == "ours"}
@@ -76,7 +79,7 @@ def test_smoke_run_writes_markdown_and_chart(smoke):
     path, result, stdout = smoke
     md = path.with_suffix(".md").read_text()
     assert "| model | hidden×layers | tokens | mode | pass | stock ms | patched ms |" in md
-    assert "| patched/stock |" in md
+    assert "| patched/stock |" in md and "| patched/stock paired rounds |" in md
     for pass_ in ("train", "infer"):
         assert f"| llama | 64×2 | 1x8 | default | {pass_} |" in md
     assert "error" not in md.split("|---|")[-1]
@@ -301,13 +304,22 @@ def test_merged_windows_keep_every_kernel_with_its_launches():
     assert merged["kernels"] == {"a": {"us": 20.0, "calls": 2.0}} and merged["gpu_ms_rounds"] == [1.0, 2.0]
 
 
+def test_paired_step_ratio_takes_the_median_of_each_rounds_ratio():
+    stock = {"step_ms_rounds": [1.0, 2.0, 4.0]}
+    assert mb.paired_step_ratio({"step_ms_rounds": [2.0, 4.0, 3.0]}, stock) == 2.0  # 2, 2, 0.75
+    assert mb.paired_step_ratio({"step_ms_rounds": [2.0, 4.0]}, stock) is None  # other rounds
+    assert mb.paired_step_ratio({"step_ms": 1.0}, stock) is None  # a file from before the rounds
+
+
 def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
     """``bench-models --rederive FILE`` recomputes the ratio of a file's rows against their
     run's stock row and writes the file's JSON and Markdown again."""
     _, result, _ = smoke
     for row in result["rows"]:
         row.pop("gpu_ratio_library_at_stock", None)
+        row.pop("step_ratio_paired", None)
         row["gpu_ms_rounds"] = [2.0] if row["impl"] == "stock" else [1.0]
+        row["step_ms_rounds"] = [4.0] if row["impl"] == "stock" else [1.0]
         # No library kernels to count at stock's time (on a GPU the smoke run records real ones).
         row["kernels"], row["top_kernels"] = {}, {}
     path = tmp_path / "r.json"
@@ -318,6 +330,8 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
     rows = json.loads(path.read_text())["rows"]
     assert {r["impl"]: r.get("gpu_ratio_library_at_stock") for r in rows if r["pass"] == "train"} == {
         "stock": None, **{i: 0.5 for i in {r["impl"] for r in rows} - {"stock"}}}
+    assert {r["impl"]: r.get("step_ratio_paired") for r in rows if r["pass"] == "train"} == {
+        "stock": None, **{i: 0.25 for i in {r["impl"] for r in rows} - {"stock"}}}
     assert "library kernels at stock's" in path.with_suffix(".md").read_text()
 
 

@@ -39,7 +39,14 @@ What each number is:
   each step, after ``warmup`` steps (the first of which compiles). It
   includes the host time of a step where the GPU waits for the host (small
   token counts). In a ``--smoke`` run on CPU it is wall
-  time through the Triton interpreter: **not a GPU timing**.
+  time through the Triton interpreter: **not a GPU timing**. ``step_ms_rounds``:
+  the median step of each round.
+- ``step_ratio_paired`` (rows other than stock's): the median over rounds of the
+  row's round median over stock's in the same round (``paired_step_ratio``). Where
+  the step waits on the host (1×16 tokens in default mode) one impl's steps
+  spread over 2× within a run and its median moves between runs by more than the
+  impls differ, while the impls of one round run next to each other: this ratio
+  is the step comparison to read there.
 - ``gpu_ms``: GPU time per step: the sum of the device durations of every
   kernel, memset and memcpy over a ``torch.profiler`` window, divided by its
   steps; idle gaps are not counted. The median of the rounds' windows;
@@ -681,6 +688,7 @@ def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.
     during the run weighs on each arm alike. Each round times ``steps`` steps and profiles
     ``profile_steps`` per arm. Returns each impl's measured fields."""
     times: dict[str, list[float]] = {a.impl: [] for a in arms}
+    round_ms: dict[str, list[float]] = {a.impl: [] for a in arms}
     profiles: dict[str, list[dict]] = {a.impl: [] for a in arms}
     peak: dict[str, int] = {a.impl: 0 for a in arms}
     for r in range(sel.rounds):
@@ -691,7 +699,9 @@ def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.
                     _sync(device)
                     held = torch.cuda.memory_allocated(device)
                     torch.cuda.reset_peak_memory_stats(device)
-                times[arm.impl] += time_steps(step, before, sel.steps, device)
+                timed = time_steps(step, before, sel.steps, device)
+                times[arm.impl] += timed
+                round_ms[arm.impl].append(round(statistics.median(timed), 4))
                 profiles[arm.impl].append(profile_window(step, before, sel.profile_steps, device))
                 if device.type == "cuda":
                     peak[arm.impl] = max(peak[arm.impl], torch.cuda.max_memory_allocated(device) - held)
@@ -700,7 +710,8 @@ def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.
     for arm in arms:
         t = times[arm.impl]
         row = {"step_ms": round(statistics.median(t), 4), "step_ms_min": round(min(t), 4),
-               "step_ms_max": round(max(t), 4), "steps": len(t), "rounds": sel.rounds,
+               "step_ms_max": round(max(t), 4), "step_ms_rounds": round_ms[arm.impl], "steps": len(t),
+               "rounds": sel.rounds,
                "profile_steps": sel.profile_steps * sel.rounds, **merge_profiles(profiles[arm.impl])}
         if device.type == "cuda":
             row["step_peak_extra_GiB"] = round(peak[arm.impl] / 2**30, 2)
@@ -762,6 +773,16 @@ def gpu_ratio_library_at_reference(row: dict, reference: dict) -> float | None:
                    if _library_kernel(k) and k in theirs and calls == theirs[k][1])
     ms, ref_ms = statistics.mean(row["gpu_ms_rounds"]), statistics.mean(reference["gpu_ms_rounds"])
     return round((ms + shift_us / 1e3) / ref_ms, 4)
+
+
+def paired_step_ratio(row: dict, reference: dict) -> float | None:
+    """The median over rounds of ``row``'s median step time in a round over ``reference``'s in
+    the same round (None without both impls' rounds): the impls of a round run next to each
+    other, so the host's and the GPU clock's drift over the run cancels in each round's ratio."""
+    mine, theirs = row.get("step_ms_rounds"), reference.get("step_ms_rounds")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return None
+    return round(statistics.median(a / b for a, b in zip(mine, theirs)), 4)
 
 
 def _free(device: torch.device) -> None:
@@ -919,6 +940,7 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
                 _add_floor(row, spec, batch * seq, pass_, copy_gbs)
                 if stock is not None and arm.impl != "stock":
                     row["gpu_ratio_library_at_stock"] = gpu_ratio_library_at_reference(row, stock)
+                    row["step_ratio_paired"] = paired_step_ratio(row, stock)
             emit(row)
             _log(f"{label} {arm.impl}: " + _summary(row))
 
@@ -1067,6 +1089,7 @@ def markdown(result: dict) -> str:
     ]
     head = ["model", "hidden×layers", "tokens", "mode", "pass"]
     head += [f"{i} ms" for i in impls] + [f"{i}/stock" for i in others]
+    head += [f"{i}/stock paired rounds" for i in others]
     head += [f"{i} GPU ms" for i in impls] + [f"{i}/stock GPU" for i in others]
     head += [f"{i}/stock GPU, library kernels at stock's" for i in others]
     head += [f"{i} norm µs (%)" for i in impls] + ["ok"]
@@ -1086,6 +1109,7 @@ def markdown(result: dict) -> str:
         row = [r["model"], f"{r['hidden']}×{r['layers']}", r["tokens"], r["mode"], r["pass"]]
         row += [_fmt(get(i, "step_ms"), ".3f") if "error" not in cell[i] else "error" for i in impls]
         row += [_ratio(get(i, "step_ms"), get("stock", "step_ms")) for i in others]
+        row += [_fmt(get(i, "step_ratio_paired"), ".3f") for i in others]
         row += [_fmt(get(i, "gpu_ms"), ".3f") for i in impls]
         row += [_ratio(get(i, "gpu_ms"), get("stock", "gpu_ms")) for i in others]
         row += [_fmt(get(i, "gpu_ratio_library_at_stock"), ".3f") for i in others]
@@ -1142,9 +1166,10 @@ def plot(result: dict, path: str) -> bool:
 
 
 def rederive(path: str) -> str:
-    """Recompute ``gpu_ratio_library_at_stock`` for the rows of the results file ``path`` (each
-    against the stock row of its configuration from the same run), and write its .json, .md and
-    .png again; returns the stem. For files written before the field existed."""
+    """Recompute ``gpu_ratio_library_at_stock``, and ``step_ratio_paired`` where the rows hold
+    their rounds, for the rows of the results file ``path`` (each against the stock row of its
+    configuration from the same run), and write its .json, .md and .png again; returns the stem.
+    For files written before the fields existed."""
     if not path.endswith(".json") or not os.path.isfile(path):
         raise ValueError(f"--rederive: {path!r} is not a results file (<date>-<gpu>-models.json)")
     with open(path) as f:
@@ -1156,6 +1181,9 @@ def rederive(path: str) -> str:
         stock = keyed.get(_key(row)[:-1] + ("stock",))
         if row["impl"] != "stock" and stock and stock.get("run_started") == row.get("run_started"):
             row["gpu_ratio_library_at_stock"] = gpu_ratio_library_at_reference(row, stock)
+            paired = paired_step_ratio(row, stock)
+            if paired is not None:
+                row["step_ratio_paired"] = paired
     return write_results(result, path.removesuffix(".json"))
 
 
