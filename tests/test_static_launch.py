@@ -69,6 +69,12 @@ def test_inductor_variable_set_by_the_user_stands(clean, monkeypatch):
     assert os.environ[static_launch.INDUCTOR_ENV_VAR] == "0"
 
 
+def test_a_torch_without_the_option_is_left_as_it_is(clean, monkeypatch):
+    monkeypatch.setattr(static_launch, "_OPTION", "no_such_option")
+    _patch_one_norm()
+    assert static_launch.INDUCTOR_ENV_VAR not in os.environ
+
+
 def test_workers_started_before_patching_are_named_in_a_warning(clean, monkeypatch, caplog):
     monkeypatch.setattr(_torch_compat, "compile_workers_running", lambda: True)
     with caplog.at_level(logging.WARNING, logger="torch_rmsnorm_op"):

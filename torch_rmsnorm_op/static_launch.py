@@ -64,6 +64,8 @@ def install() -> None:
 
     if not static_launch_enabled() or (INDUCTOR_ENV_VAR in os.environ and not _set_here):
         return
+    if not hasattr(config, _OPTION):  # a torch without the option: nothing to set
+        return
     if not _set_here:
         os.environ[INDUCTOR_ENV_VAR] = "1"
         _option_before = getattr(config, _OPTION)
