@@ -93,10 +93,15 @@ _ADDS = (operator.add, torch.add, torch.Tensor.add)
 _enabled: dict[str, bool | None] = {ENV_VAR: None, GRAD_ENV_VAR: None, EPILOGUE_ENV_VAR: None}
 
 
+def switch_from_env(var: str) -> bool:
+    """An on/off switch from ``$var``: off for 0, false, off or no; on when unset."""
+    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
 def _setting(var: str) -> bool:
     if _enabled[var] is not None:
         return _enabled[var]
-    return os.environ.get(var, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_from_env(var)
 
 
 def set_residual_fusion(enabled: bool | None) -> None:

@@ -30,6 +30,7 @@ import os
 
 from torch_rmsnorm_op import _torch_compat
 from torch_rmsnorm_op.fallback import log
+from torch_rmsnorm_op.fusion import switch_from_env
 
 ENV_VAR = "TORCH_RMSNORM_OP_STATIC_LAUNCH"
 INDUCTOR_ENV_VAR = "TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS"
@@ -52,7 +53,7 @@ def set_static_launch(enabled: bool | None) -> None:
 def static_launch_enabled() -> bool:
     if _enabled is not None:
         return _enabled
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+    return switch_from_env(ENV_VAR)
 
 
 def install() -> None:
