@@ -136,3 +136,46 @@ def test_export_and_aoti_package(tmp_path):
         pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); it crashes on "
                      "this machine for a plain Linear + ReLU model too. The package compiled and was inspected")
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_cpu_aoti_package_computes_the_norms_without_python(tmp_path):
+    """A CPU package cannot carry the Triton kernels (the interpreter runs in Python): the ops
+    take the reference there, a counted fallback, which Inductor compiles into the package's
+    C++. The package calls no op of ours and runs in a process that never imports the library."""
+    torch.manual_seed(0)
+    model = TinyLlama().eval()
+    T.patch_rmsnorm(model)
+    tokens = torch.randint(0, 256, (2, 16))
+    ep = torch.export.export(model, (tokens,))
+    assert "torch.ops.rmsnorm.fwd.default" in ep.graph_module.code
+    T.reset_dispatch_stats()
+    with T.fallback_policy("reference"):
+        path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "model.pt2"))
+    reason = T.dispatch.AOT_CPU_REASON
+    assert T.dispatch_stats()["compiled"] == {f"rmsnorm.fwd: reference ({reason})": 5}
+    with zipfile.ZipFile(path) as z:
+        text = "".join(z.read(n).decode(errors="ignore") for n in z.namelist() if n.endswith((".cpp", ".json")))
+    assert "rmsnorm" not in text and "aoti_torch_proxy_executor_call_function" not in text
+    with torch.no_grad():
+        torch.save((tokens, model(tokens)), tmp_path / "io.pt")
+    code = (  # no torch_rmsnorm_op here: the package needs none of it
+        "import sys, torch\n"
+        f"tokens, want = torch.load({str(tmp_path / 'io.pt')!r})\n"
+        f"out = torch._inductor.aoti_load_package({path!r})(tokens)\n"
+        f"torch.testing.assert_close(out, want, **{MODEL[torch.float32]!r})\n"
+        "assert 'torch_rmsnorm_op' not in sys.modules\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if run.returncode < 0:
+        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); the package compiled "
+                     "and was inspected")
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_cpu_aoti_package_under_the_error_policy_raises():
+    torch.manual_seed(0)
+    model = TinyLlama().eval()
+    T.patch_rmsnorm(model)
+    ep = torch.export.export(model, (torch.randint(0, 256, (2, 16)),))
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError, match="AOTInductor package"):
+        torch._inductor.aoti_compile_and_package(ep)

@@ -17,7 +17,9 @@ the job. Checked on torch 2.11 and 2.13.
   launch is in a post-grad graph, the kernel it launches, and its constant arguments, as they
   are and with changes (the kernel side table), for ``fusion.fuse_gradient_sums``;
 - ``compile_workers_running()``: whether Inductor's compile worker processes have started
-  (its set of pools), for ``static_launch.install``.
+  (its set of pools), for ``static_launch.install``;
+- ``aot_compiling()``: whether AOTInductor is compiling a package (Inductor's
+  ``V.aot_compilation``), where a CPU graph cannot keep an op that calls back into Python.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 __all__ = [
     "FunctionalTensorMode",
+    "aot_compiling",
     "compile_workers_running",
     "constant_args",
     "decomposing_custom_triton_ops",
@@ -114,3 +117,9 @@ def compile_workers_running() -> bool:
     torch does not say)."""
     async_compile = sys.modules.get("torch._inductor.async_compile")  # not imported: none started
     return bool(getattr(async_compile, "_pool_set", ()))
+
+
+def aot_compiling() -> bool:
+    """Whether AOTInductor is compiling a package (``aoti_compile_and_package``) right now."""
+    virtualized = sys.modules.get("torch._inductor.virtualized")  # not imported: nothing compiles
+    return virtualized is not None and virtualized.V.aot_compilation

@@ -4,7 +4,8 @@ input; everything else asks them.
 
 Reasons are inputs that are valid but outside the kernels' reach (``fallback.py`` applies the
 policy to them): no Triton-capable device, a dtype other than fp16/bf16/fp32, rows the kernels
-cannot address without a copy, N above ``config.MAX_N``, a split mode the GPU cannot run.
+cannot address without a copy, N above ``config.MAX_N``, a split mode the GPU cannot run, a CPU
+graph compiled into an AOTInductor package.
 Invalid inputs are not reasons: they raise earlier (``contract.py``). Eager plans are kept
 per input signature (device, dtypes, shape, strides, options), so a repeated call decides
 nothing again; the signature fixes every input of the decision.
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from torch_rmsnorm_op import _torch_compat
 from torch_rmsnorm_op.config import MAX_N, KernelConfig, backward_config, fit_to_rows, forward_config, sm_count
 from torch_rmsnorm_op.layout import RowLayout, row_layout, row_stride
 
@@ -77,7 +79,14 @@ def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str |
     return None
 
 
+# The Triton interpreter runs in Python, which an AOTInductor package does not call back into:
+# a CPU package computes the reference's operations, compiled by Inductor.
+AOT_CPU_REASON = "cpu graph in an AOTInductor package, which Inductor compiles from the reference formula"
+
+
 def _reason(x: Tensor, dtypes: tuple[torch.dtype | None, ...]) -> str | None:
+    if x.device.type == "cpu" and not _is_concrete(x) and _torch_compat.aot_compiling():
+        return AOT_CPU_REASON
     reason = _device_dtype_reason(x.device, dtypes)
     if reason is not None:
         return reason

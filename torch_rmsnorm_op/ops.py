@@ -227,7 +227,8 @@ def _decomposition(name: str):
 
     def rule(mode, op, types, args, kwargs):
         x = args[x_arg]
-        if x.device.type != "cuda" or not _torch_compat.decomposing_custom_triton_ops():
+        launches = x.device.type == "cuda" or (x.device.type == "cpu" and _torch_compat.aot_compiling())
+        if not launches or not _torch_compat.decomposing_custom_triton_ops():
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
         if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
             return NotImplemented
