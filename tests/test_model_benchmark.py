@@ -5,6 +5,7 @@ import json
 import struct
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -173,6 +174,34 @@ def test_implementations_swap_and_restore():
     with pytest.raises(ValueError, match="impl must be one of"):
         with mb.implementation(model, "apex"):
             pass
+
+
+class _LigerRMSNormStub(torch.nn.Module):
+    """Records the settings Liger's RMSNorm would be built with (liger_kernel needs a GPU)."""
+
+    def __init__(self, hidden_size, eps=1e-6, **settings):
+        super().__init__()
+        self.hidden_size, self.eps, self.settings = hidden_size, eps, settings
+
+
+@pytest.mark.parametrize("family,settings", [
+    ("llama", {"offset": 0.0, "casting_mode": "llama", "in_place": True}),
+    ("gemma3", {"offset": 1.0, "casting_mode": "gemma", "in_place": False}),  # 1 + weight, fp32 throughout
+    ("olmo2", {"offset": 0.0, "casting_mode": "gemma", "in_place": False}),  # rounded once, at the end
+])
+def test_liger_takes_what_each_norm_computes(monkeypatch, family, settings):
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.rms_norm"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["liger_kernel.transformers.rms_norm"].LigerRMSNorm = _LigerRMSNormStub
+    spec = mb.ModelSpec.of(family, mb.SMOKE_HIDDEN, smoke=True)
+    model = mb.build_model(spec, torch.device("cpu"), torch.float32)
+    norms = mb.norm_modules(model)
+    with mb._liger_swapped(model) as count:
+        stubs = [m for m in model.modules() if isinstance(m, _LigerRMSNormStub)]
+        assert count == len(stubs) == len(norms) == sum(site.count for site in mb.norm_sites(spec, 1))
+        assert all(m.settings == settings and m.eps == mb.EPS for m in stubs)
+        assert {id(m.weight) for m in stubs} == {id(m.weight) for m in norms}
+    assert mb.norm_modules(model) == norms
 
 
 def test_selection_rejects_bad_input():

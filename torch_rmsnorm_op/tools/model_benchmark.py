@@ -168,12 +168,21 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
 }
 DEFAULT_MODELS = ("llama", "qwen3", "mistral")
 # Phi3's defaults put pad and eos at id 32000, outside a 32000-token vocabulary.
 FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None}}
 # Families whose attention normalizes q and k per head (rows of head_dim).
-QK_NORM_FAMILIES = frozenset({"qwen3"})
+QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3"})
+# Families whose layers also normalize the attention's and the MLP's outputs before the
+# residual add (Gemma 3's four norms a layer: input, post-attention, pre- and post-feedforward).
+SANDWICH_NORM_FAMILIES = frozenset({"gemma3"})
+# Families with norms after attention and MLP only (no input norms), q and k normalized over
+# all heads at once (OLMo 2): the final norm is the only one a residual add feeds.
+POST_NORM_FAMILIES = frozenset({"olmo2"})
 # Families whose attention and MLP inputs each feed one fused projection (qkv_proj, gate_up_proj):
 # their norms' outputs have one consumer, where the others' have three (q, k, v) and two (gate, up).
 FUSED_PROJECTION_FAMILIES = frozenset({"phi3"})
@@ -283,10 +292,21 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
 
     Layer 0's input norm reads the embedding; every other hidden-size norm (each layer's
     post-attention norm, the input norm of layers 1.., the final norm) reads a residual sum
-    the decoder has just formed. Qwen3 also normalizes q and k per head: rows of head_dim.
-    An input norm's output feeds the q, k and v projections, a post-attention norm's the MLP's
-    gate and up projections (one fused projection each in ``FUSED_PROJECTION_FAMILIES``), the
-    final norm's the LM head."""
+    the decoder has just formed. Qwen3 and Gemma 3 also normalize q and k per head: rows of
+    head_dim. An input norm's output feeds the q, k and v projections, a post-attention norm's
+    the MLP's gate and up projections (one fused projection each in
+    ``FUSED_PROJECTION_FAMILIES``), the final norm's the LM head. Gemma 3 normalizes the
+    attention's and MLP's outputs too (their norms read no residual; the MLP's input norm is
+    its pre-feedforward norm); OLMo 2 has those output norms and q/k norms over all heads, and
+    no input norms."""
+    if spec.family in POST_NORM_FAMILIES:
+        return [
+            NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
+            NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers),
+            NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
+            NormSite("post_feedforward_layernorm", tokens, spec.hidden, False, spec.layers),
+            NormSite("norm", tokens, spec.hidden, True, 1),
+        ]
     attention, mlp = (1, 1) if spec.family in FUSED_PROJECTION_FAMILIES else (3, 2)
     sites = [
         NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
@@ -294,6 +314,10 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
         NormSite("post_attention_layernorm", tokens, spec.hidden, True, spec.layers, mlp),
         NormSite("norm", tokens, spec.hidden, True, 1),
     ]
+    if spec.family in SANDWICH_NORM_FAMILIES:  # the attention's and MLP's outputs, then the adds
+        sites[2] = NormSite("pre_feedforward_layernorm", tokens, spec.hidden, True, spec.layers, mlp)
+        sites += [NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
+                  NormSite("post_feedforward_layernorm", tokens, spec.hidden, False, spec.layers)]
     if spec.family in QK_NORM_FAMILIES:
         sites += [NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, spec.layers),
                   NormSite("k_norm", tokens * spec.kv_heads, spec.head_dim, False, spec.layers)]
@@ -361,8 +385,10 @@ def liger_available() -> str | None:
 
 
 def _is_hf_rmsnorm(module: nn.Module) -> bool:
+    from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES
+
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon")
+    return (type(module).__name__.endswith("RMSNorm") and any(hasattr(module, a) for a in EPS_ATTRIBUTES)
             and isinstance(weight, nn.Parameter) and weight.dim() == 1)
 
 
@@ -373,15 +399,25 @@ def norm_modules(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def _liger_swapped(model: nn.Module) -> Iterator[int]:
-    """Each transformers RMSNorm of this model instance replaced by a ``LigerRMSNorm`` (Llama
-    casting, Liger's defaults otherwise) holding the original weight Parameter; put back after."""
+    """Each transformers RMSNorm of this model instance replaced by a ``LigerRMSNorm`` holding
+    the original weight Parameter, put back after. Liger's settings follow what the module
+    computes (``recognize``): Llama's casting in place for Llama's semantics; ``1 + weight``
+    with Gemma's casting (fp32 throughout), not in place, as Liger's Gemma patches; Gemma's
+    casting without offset for the one-rounding form (OLMo 2's, which Liger's own patch gives
+    Llama's casting). Modules of any other semantics keep their own forward."""
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
-    swapped = []
+    from torch_rmsnorm_op.recognize import recognize
+
+    settings = {"llama": dict(offset=0.0, casting_mode="llama", in_place=True),
+                "gemma": dict(offset=1.0, casting_mode="gemma", in_place=False),
+                "torch": dict(offset=0.0, casting_mode="gemma", in_place=False)}
+    swapped, cache = [], {}
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
-            if _is_hf_rmsnorm(child):
-                liger = LigerRMSNorm(child.weight.shape[0], eps=float(child.variance_epsilon))
+            found = recognize(child, cache=cache) if _is_hf_rmsnorm(child) else None
+            if found is not None and found.eps is not None and getattr(found.semantics, "name", None) in settings:
+                liger = LigerRMSNorm(child.weight.shape[0], eps=float(found.eps), **settings[found.semantics.name])
                 liger.weight = child.weight
                 liger.train(child.training)
                 setattr(parent, attr, liger)
