@@ -127,6 +127,34 @@ def test_inductor_code_and_results(device, dynamic):
         assert T.dispatch_stats()["kernel"] == {"rmsnorm.bwd": 1}
 
 
+def test_the_kernels_are_in_the_cache_key_before_the_first_graph_is_keyed():
+    """AOTAutograd keys its cache on the graph Dynamo captured, before it traces the ops'
+    launches: the kernels must be registered by then (Dynamo's fake propagation), or a graph
+    compiled first in a process could be served from a cache entry of other kernels' code
+    (another version of the package). Kernels that compile, so no interpreter: a subprocess."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import torch, torch_rmsnorm_op as T\n"
+        "from torch._library.triton import get_triton_kernels_for_op\n"
+        "x, w = torch.randn(4, 32), torch.randn(32)\n"
+        "T.set_fallback_policy('reference')\n"
+        "assert get_triton_kernels_for_op('rmsnorm::fwd') == []\n"
+        "torch._dynamo.explain(lambda x, w: T.rms_norm(x, (32,), w))(x, w)\n"
+        "torch._dynamo.explain(lambda x, w: T.add_rms_norm(x, x, (32,), w))(x, w)\n"
+        "names = [sorted(k.fn.__name__ for k in get_triton_kernels_for_op(op)) for op in ('rmsnorm::fwd', "
+        "'rmsnorm::add_fwd')]\n"
+        "print(names)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels = ["_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce", "_rms_norm_fwd_looped",
+               "_rms_norm_fwd_rows", "_rms_norm_fwd_split"]
+    assert run.stdout.strip().splitlines()[-1] == str([kernels, kernels])
+
+
 @pytest.mark.cuda
 def test_inductor_launches_the_fused_kernels_and_matches_eager():
     torch._dynamo.reset()

@@ -322,15 +322,18 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         reduce_dweight(partial, dweight, mid, bound, traced, k)
 
 
-_OP_KERNELS = {
-    "fwd": ("_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split"),
-    "bwd": ("_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce"),
-}
+_KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split", "_rms_norm_bwd_rows",
+                 "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
 
 
 @functools.cache
 def register_kernels_for_tracing(op: str) -> None:
-    """Make the kernels ``op`` (``rmsnorm::<name>``) launches part of the compile cache's key."""
+    """Make every kernel of the package part of the compile cache's key for graphs that call
+    ``op`` (``rmsnorm::<name>``): AOTAutograd keys a graph on the ops Dynamo captured, the
+    forward ops, and the graph it caches launches the backward's kernels too. Not under the
+    Triton interpreter: no graph launches interpreted kernels (a CPU graph calls the op whole),
+    and the cache cannot read their source."""
+    if _triton_compat.is_interpreted():
+        return
     k = _kernels()
-    names = _OP_KERNELS["bwd" if op.endswith("bwd") else "fwd"]
-    _torch_compat.register_triton_kernels(op, [getattr(k, name) for name in names])
+    _torch_compat.register_triton_kernels(op, [getattr(k, name) for name in _KERNEL_NAMES])
