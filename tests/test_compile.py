@@ -106,7 +106,8 @@ def test_no_graph_breaks(device):
 
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_inductor_code_and_results(device, dynamic):
-    """On CUDA Inductor's code launches our kernels and calls no op; on CPU it calls the op."""
+    """On CUDA Inductor's code launches our kernels and calls no op; on CPU with the Triton
+    interpreter it calls the op, which runs the kernels interpreted."""
     torch._dynamo.reset()
     f = torch.compile(_norm, fullgraph=True, dynamic=dynamic)
     x = torch.randn(6, 32, device=device, requires_grad=True)
@@ -153,6 +154,91 @@ def test_the_kernels_are_in_the_cache_key_before_the_first_graph_is_keyed():
     kernels = ["_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce", "_rms_norm_fwd_looped",
                "_rms_norm_fwd_rows", "_rms_norm_fwd_split"]
     assert run.stdout.strip().splitlines()[-1] == str([kernels, kernels])
+
+
+_CPU_WITHOUT_INTERPRETER = """
+import os; os.environ.pop("TRITON_INTERPRET", None)
+import copy, json, torch, torch_rmsnorm_op as T
+from torch._inductor.utils import run_and_get_code
+from torch_rmsnorm_op.tools.toy_models import TinyLlama
+torch.manual_seed(0)
+stock = TinyLlama()
+patched = copy.deepcopy(stock)
+T.patch_rmsnorm(patched)  # its probes call the ops
+tokens = torch.randint(0, 256, (2, 16))
+T.set_fallback_policy("reference")
+T.reset_dispatch_stats()
+out, code = run_and_get_code(torch.compile(patched, fullgraph=True), tokens)
+out.sum().backward()
+want = stock(tokens)
+want.sum().backward()
+torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+print(json.dumps(dict(stats=T.dispatch_stats(), calls_an_op=any("rmsnorm" in c for c in code))))
+"""
+
+
+def _run_python(code: str, **env: str) -> str:
+    """``code`` in a fresh interpreter with ``env`` added; its last line of output."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
+_CPU_REASON = "reference (cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call))"
+
+
+def test_cpu_graph_without_the_interpreter_compiles_the_reference():
+    """Without ``TRITON_INTERPRET`` every CPU call would take the reference: a compiled graph
+    decides that while tracing, once per call site, and Inductor compiles the reference's
+    operations with the graph's own (no op call per step); logits and gradients match stock."""
+    import json
+
+    result = json.loads(_run_python(_CPU_WITHOUT_INTERPRETER, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1"))
+    # Four norms after a residual add (the first reads the embeddings: Inductor's own, fused).
+    assert result["stats"] == {"kernel": {}, "fallback": {}, "compiled": {f"rmsnorm.add_fwd: {_CPU_REASON}": 4,
+                                                                         f"rmsnorm.add_bwd: {_CPU_REASON}": 4}}
+    assert not result["calls_an_op"]
+
+
+_CACHED_NORM = """
+import os, sys
+if sys.argv[1] == "plain":
+    os.environ.pop("TRITON_INTERPRET", None)
+else:
+    os.environ["TRITON_INTERPRET"] = "1"
+import json, torch, torch_rmsnorm_op as T
+from torch._dynamo.utils import counters
+T.set_fallback_policy("reference")
+x, w = torch.randn(4, 32, requires_grad=True), torch.randn(32, requires_grad=True)
+torch.compile(lambda x, w: T.rms_norm(x, (32,), w), fullgraph=True)(x, w).sum().backward()
+print(json.dumps(dict(stats=T.dispatch_stats(), hits=counters["aot_autograd"]["autograd_cache_hit"])))
+"""
+
+
+def test_cpu_graphs_with_and_without_the_interpreter_are_cached_apart(tmp_path):
+    """A graph compiled without the interpreter (the reference, inlined) is not served to a
+    process with it (an op call that runs the kernels), though the graphs Dynamo captures are
+    the same: the kernels are in the key only without the interpreter. A second process
+    without it is served from the cache, so the cache was in use."""
+    import json
+
+    def run(mode: str) -> dict:
+        code = _CACHED_NORM.replace("sys.argv[1]", repr(mode))
+        return json.loads(_run_python(code, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)))
+
+    first = run("plain")
+    assert first["stats"]["compiled"] == {f"rmsnorm.fwd: {_CPU_REASON}": 1, f"rmsnorm.bwd: {_CPU_REASON}": 1}
+    interpreted = run("interpreted")
+    assert interpreted["stats"] == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
+    assert interpreted["hits"] == 0
+    assert run("plain")["hits"] == 1
 
 
 @pytest.mark.cuda

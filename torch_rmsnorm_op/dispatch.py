@@ -46,7 +46,9 @@ class Plan:
 
 
 @functools.cache
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether the kernels run through the Triton interpreter (``TRITON_INTERPRET=1`` when they
+    were defined), which serves CPU tensors."""
     from torch_rmsnorm_op._triton_compat import is_interpreted  # defines the kernels on first use
 
     return is_interpreted()
@@ -55,7 +57,7 @@ def _interpreted() -> bool:
 @functools.cache  # fixed per device and dtypes
 def _device_dtype_reason(device: torch.device, dtypes: tuple[torch.dtype | None, ...]) -> str | None:
     if device.type == "cpu":
-        if not _interpreted():
+        if not interpreted():
             return "cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call)"
     elif device.type != "cuda":
         return f"no Triton kernel for device type {device.type!r}"

@@ -226,13 +226,26 @@ _X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2}
 _PLAIN_TYPES = (Tensor, torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
 
+def _decomposes(x: Tensor) -> bool:
+    """Whether a graph traced over ``x`` holds the op's decomposition rather than one opaque call:
+    on CUDA (the kernels' launches, or the reference's operations where they do not serve the
+    call); on CPU wherever the Triton interpreter cannot run the kernels when the graph runs,
+    which leaves the reference, decided while tracing and compiled by Inductor: without
+    ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back into no Python). With
+    the interpreter a CPU graph keeps the op whole, and each call runs the kernels interpreted.
+    The compile caches keep the two CPU graphs apart: only without the interpreter do the
+    kernels join the cache's key (``launch.register_kernels_for_tracing``)."""
+    if x.device.type == "cuda":
+        return True
+    return x.device.type == "cpu" and (_torch_compat.aot_compiling() or not dispatch.interpreted())
+
+
 def _decomposition(name: str):
     impl, x_arg = _IMPLS[name], _X_ARG[name]
 
     def rule(mode, op, types, args, kwargs):
         x = args[x_arg]
-        launches = x.device.type == "cuda" or (x.device.type == "cpu" and _torch_compat.aot_compiling())
-        if not launches or not _torch_compat.decomposing_custom_triton_ops():
+        if not _decomposes(x) or not _torch_compat.decomposing_custom_triton_ops():
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
         if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
             return NotImplemented
