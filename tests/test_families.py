@@ -52,6 +52,17 @@ FAMILIES = {
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}, {"torch": 3}, None, False),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}, {"torch": 5}, None, False),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}, {}, COHERE_NORM, False),
+    # DeepSeek V3's latent attention normalizes its q and kv projections' low-rank halves, its
+    # MoE layers follow a dense one; Granite scales the residual branches and the embeddings;
+    # Falcon-H1 runs attention and Mamba side by side in each layer.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        moe_intermediate_size=32, n_group=1, topk_group=1), {"llama": 9}, None, True),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.5, embedding_multiplier=2.0),
+                {"llama": 3}, None, True),
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+                  mamba_d_state=16, mamba_chunk_size=8), {"llama": 3}, None, True),
 }
 
 
@@ -137,6 +148,25 @@ def _assert_compiles(model, inputs, want, calls, patched):
     _assert_close(_outputs_and_grads(compiled, model, inputs), want)
     assert len(graphs) == 1
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
+
+
+@pytest.mark.parametrize("family", ["gemma3", "granite"])
+def test_family_under_inductor(device, family):
+    """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
+    into the norms, norms that only elementwise ops read left to Inductor), against the
+    unpatched model in eager: outputs and every parameter's gradient, no graph break."""
+    model = _build(family).to(device)
+    inputs = {k: v.to(device) for k, v in _inputs(family).items()}
+    reference = copy.deepcopy(model)
+    want = _outputs_and_grads(lambda **kw: _output(reference, **kw), reference, inputs)
+    T.patch_rmsnorm(model)
+    torch._dynamo.reset()
+    T.reset_dispatch_stats()
+    compiled = torch.compile(lambda **kw: _output(model, **kw), fullgraph=True)
+    _assert_close(_outputs_and_grads(compiled, model, inputs), want)
+    fused = {k: v for k, v in T.dispatch_stats()["kernel"].items() if k.startswith("rmsnorm.add_")}
+    if device.type == "cpu":  # a compiled CPU graph calls the ops: every residual add before a norm fused
+        assert fused and fused["rmsnorm.add_fwd"] == fused["rmsnorm.add_bwd"], T.dispatch_stats()
 
 
 # The survey: every RMSNorm class in the installed transformers, found in the source (nothing
