@@ -179,13 +179,13 @@ print(json.dumps(dict(stats=T.dispatch_stats(), calls_an_op=any("rmsnorm" in c f
 """
 
 
-def _run_python(code: str, **env: str) -> str:
-    """``code`` in a fresh interpreter with ``env`` added; its last line of output."""
+def _run_python(code: str, *args: str, **env: str) -> str:
+    """``code`` in a fresh interpreter with ``args`` and ``env`` added; its last line of output."""
     import os
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
                          env={**os.environ, **env})
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.strip().splitlines()[-1]
@@ -230,8 +230,7 @@ def test_cpu_graphs_with_and_without_the_interpreter_are_cached_apart(tmp_path):
     import json
 
     def run(mode: str) -> dict:
-        code = _CACHED_NORM.replace("sys.argv[1]", repr(mode))
-        return json.loads(_run_python(code, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)))
+        return json.loads(_run_python(_CACHED_NORM, mode, TORCHINDUCTOR_CACHE_DIR=str(tmp_path)))
 
     first = run("plain")
     assert first["stats"]["compiled"] == {f"rmsnorm.fwd: {_CPU_REASON}": 1, f"rmsnorm.bwd: {_CPU_REASON}": 1}

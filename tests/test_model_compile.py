@@ -173,6 +173,7 @@ def test_cpu_aoti_package_computes_the_norms_without_python(tmp_path):
 
 
 def test_cpu_aoti_package_under_the_error_policy_raises():
+    """The CPU package's reference is a fallback like any other: ``"error"`` refuses it."""
     torch.manual_seed(0)
     model = TinyLlama().eval()
     T.patch_rmsnorm(model)
