@@ -306,6 +306,26 @@ def test_the_pass_pickles_into_inductors_cache_key(stage):
             setting(None)
 
 
+def test_the_pass_uuid_follows_the_librarys_source(tmp_path):
+    """The passes' uuid (in the compile caches' keys) changes with any module of the library,
+    the configuration table or a kernel as much as the rewrites, and with nothing else."""
+    import pathlib
+    import shutil
+
+    root = pathlib.Path(fusion.__file__).parent
+    copy = tmp_path / "torch_rmsnorm_op"
+    shutil.copytree(root, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert fusion.source_digest(copy) == fusion.library_digest()
+    (copy / "tools" / "demo.py").write_text("# a tool is not compiled into graphs\n")
+    assert fusion.source_digest(copy) == fusion.library_digest()
+    for name in ("config.py", "kernels/rows.py"):
+        edited = copy / name
+        original = edited.read_text()
+        edited.write_text(original + "\n# edited\n")
+        assert fusion.source_digest(copy) != fusion.library_digest(), name
+        edited.write_text(original)
+
+
 def test_install_sets_both_passes_once():
     from torch._inductor import config
 

@@ -78,6 +78,7 @@ import functools
 import hashlib
 import operator
 import os
+import pathlib
 
 import torch
 from torch.fx import Graph, Node
@@ -501,9 +502,7 @@ def fusion_pass_class() -> type:
                 then(graph)
 
         def uuid(self) -> bytes:
-            h = hashlib.sha256()
-            with open(__file__, "rb") as f:
-                h.update(f.read())
+            h = hashlib.sha256(library_digest())
             h.update(f"{self.stage} {_STAGES[self.stage][2]()}".encode())
             for then in self._chained():
                 uuid = getattr(then, "uuid", None)
@@ -516,6 +515,24 @@ def fusion_pass_class() -> type:
             return _rebuild_pass, (self.stage, self.then, self.uuid())
 
     return FusionPass
+
+
+def source_digest(root: pathlib.Path) -> bytes:
+    """A digest of the library's source under ``root``: its modules and kernels, not its tools."""
+    h = hashlib.sha256()
+    for path in sorted([*root.glob("*.py"), *root.glob("kernels/*.py")]):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.digest()
+
+
+@functools.cache
+def library_digest() -> bytes:
+    """The installed library's ``source_digest``, part of the passes' uuid and so of the compile
+    caches' keys for patched models: a graph's rewrites, fallback decisions and launch
+    configurations come from this code, not only from the kernels' source (which the caches
+    key on too), so a graph compiled by other code of the library is not served."""
+    return source_digest(pathlib.Path(__file__).parent)
 
 
 def _rebuild_pass(stage: str, then, uuid: bytes):
