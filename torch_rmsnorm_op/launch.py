@@ -327,7 +327,7 @@ _KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_sp
 
 
 @functools.cache
-def register_kernels_for_tracing(op: str) -> None:
+def register_kernels_for_cache_key(op: str) -> None:
     """Make every kernel of the package part of the compile cache's key for graphs that call
     ``op`` (``rmsnorm::<name>``): AOTAutograd keys a graph on the ops Dynamo captured, the
     forward ops, and the graph it caches launches the backward's kernels too. Not under the

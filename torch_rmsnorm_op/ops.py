@@ -188,7 +188,7 @@ for _name, _impl in _IMPLS.items():
 def _(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
       norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight, norm_dtype, out_dtype)
-    _launch().register_kernels_for_tracing("rmsnorm::fwd")  # before AOTAutograd keys its cache
+    _launch().register_kernels_for_cache_key("rmsnorm::fwd")  # before AOTAutograd keys its cache
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)))
 
@@ -197,7 +197,7 @@ def _(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.
 def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
       weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
-    _launch().register_kernels_for_tracing("rmsnorm::bwd")  # before AOTAutograd keys its cache
+    _launch().register_kernels_for_cache_key("rmsnorm::bwd")  # before AOTAutograd keys its cache
     return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
@@ -205,7 +205,7 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
 def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
       norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     check_add_args(x, residual, weight, norm_dtype, out_dtype)
-    _launch().register_kernels_for_tracing("rmsnorm::add_fwd")  # before AOTAutograd keys its cache
+    _launch().register_kernels_for_cache_key("rmsnorm::add_fwd")  # before AOTAutograd keys its cache
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (x.new_empty(x.shape, dtype=out_dtype or sum_dtype), x.new_empty(x.shape, dtype=sum_dtype),
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype)))
@@ -215,7 +215,7 @@ def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_
 def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor, *,
       weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, residual_out, weight, rstd, dresidual_out, op="rmsnorm.add_bwd")
-    _launch().register_kernels_for_tracing("rmsnorm::add_bwd")  # before AOTAutograd keys its cache
+    _launch().register_kernels_for_cache_key("rmsnorm::add_bwd")  # before AOTAutograd keys its cache
     return residual_out.new_empty(residual_out.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
@@ -234,7 +234,7 @@ def _decomposes(x: Tensor) -> bool:
     ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back into no Python). With
     the interpreter a CPU graph keeps the op whole, and each call runs the kernels interpreted.
     The compile caches keep the two CPU graphs apart: only without the interpreter do the
-    kernels join the cache's key (``launch.register_kernels_for_tracing``)."""
+    kernels join the cache's key (``launch.register_kernels_for_cache_key``)."""
     if x.device.type == "cuda":
         return True
     return x.device.type == "cpu" and (_torch_compat.aot_compiling() or not dispatch.interpreted())
@@ -249,7 +249,6 @@ def _decomposition(name: str):
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
         if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
             return NotImplemented
-        _launch().register_kernels_for_tracing(f"rmsnorm::{name}")
         with mode:
             return impl(*args, **kwargs, traced=True)
 

@@ -159,6 +159,7 @@ import torch
 from torch import Tensor, nn
 
 from torch_rmsnorm_op import static_launch
+from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES, recognize
 
 # family -> (config class, model class) in transformers
 FAMILIES: dict[str, tuple[str, str]] = {
@@ -385,8 +386,6 @@ def liger_available() -> str | None:
 
 
 def _is_hf_rmsnorm(module: nn.Module) -> bool:
-    from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES
-
     weight = getattr(module, "weight", None)
     return (type(module).__name__.endswith("RMSNorm") and any(hasattr(module, a) for a in EPS_ATTRIBUTES)
             and isinstance(weight, nn.Parameter) and weight.dim() == 1)
@@ -406,8 +405,6 @@ def _liger_swapped(model: nn.Module) -> Iterator[int]:
     casting without offset for the one-rounding form (OLMo 2's, which Liger's own patch gives
     Llama's casting). Modules of any other semantics keep their own forward."""
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
-
-    from torch_rmsnorm_op.recognize import recognize
 
     settings = {"llama": dict(offset=0.0, casting_mode="llama", in_place=True),
                 "gemma": dict(offset=1.0, casting_mode="gemma", in_place=False),
