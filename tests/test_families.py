@@ -58,7 +58,10 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-        moe_intermediate_size=32, n_group=1, topk_group=1), {"llama": 9}, None, True),
+        moe_intermediate_size=32, n_group=1, topk_group=1,
+        # every expert as one batched matmul: on CUDA the grouped matmul's fallback backward (transformers
+        # 5.17, fp32) and the experts' loop hold data-dependent shapes that fullgraph cannot compile
+        experts_implementation="batched_mm"), {"llama": 9}, None, True),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.5, embedding_multiplier=2.0),
                 {"llama": 3}, None, True),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
