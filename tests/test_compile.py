@@ -135,14 +135,23 @@ def test_inductor_code_and_results(device, dynamic):
         assert T.dispatch_stats()["kernel"] == {"rmsnorm.bwd": 1}
 
 
+def _run_python(code: str, *args: str, **env: str) -> str:
+    """``code`` in a fresh interpreter with ``args`` and ``env`` added; its last line of output."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **env})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.strip().splitlines()[-1]
+
+
 def test_the_kernels_are_in_the_cache_key_before_the_first_graph_is_keyed():
     """AOTAutograd keys its cache on the graph Dynamo captured, before it traces the ops'
     launches: the kernels must be registered by then (Dynamo's fake propagation), or a graph
     compiled first in a process could be served from a cache entry of other kernels' code
     (another version of the package). Kernels that compile, so no interpreter: a subprocess."""
-    import subprocess
-    import sys
-
     code = (
         "import os; os.environ.pop('TRITON_INTERPRET', None)\n"
         "import torch, torch_rmsnorm_op as T\n"
@@ -156,11 +165,9 @@ def test_the_kernels_are_in_the_cache_key_before_the_first_graph_is_keyed():
         "'rmsnorm::add_fwd')]\n"
         "print(names)\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
     kernels = ["_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce", "_rms_norm_fwd_looped",
                "_rms_norm_fwd_rows", "_rms_norm_fwd_split"]
-    assert run.stdout.strip().splitlines()[-1] == str([kernels, kernels])
+    assert _run_python(code) == str([kernels, kernels])
 
 
 _CPU_WITHOUT_INTERPRETER = """
@@ -184,18 +191,6 @@ for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
     torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
 print(json.dumps(dict(stats=T.dispatch_stats(), calls_an_op=any("rmsnorm" in c for c in code))))
 """
-
-
-def _run_python(code: str, *args: str, **env: str) -> str:
-    """``code`` in a fresh interpreter with ``args`` and ``env`` added; its last line of output."""
-    import os
-    import subprocess
-    import sys
-
-    run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, **env})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout.strip().splitlines()[-1]
 
 
 _CPU_REASON = "reference (cpu tensor without the Triton interpreter (set TRITON_INTERPRET=1 before the first call))"
