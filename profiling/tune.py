@@ -322,7 +322,10 @@ def main() -> None:
         job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype),
                   int(terms[0]) if terms else 1)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
-        cfg = backward_config(job.n, job.dtype) if job.backward else forward_config(job.n, job.dtype, job.residual)
+        if job.backward:
+            cfg = backward_config(job.n, job.dtype)
+        else:
+            cfg = forward_config(job.n, job.dtype, job.residual, job.m)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
         jobs.append((job, candidates(job, table, args.table_only)))
     if args.workers > 1:

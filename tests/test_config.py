@@ -59,3 +59,55 @@ def test_dweight_scratch_merges_in_pairs_only_where_it_is_large():
     assert not merged_partials(4, 512, 262144, bf16)  # 4 MiB, 1.6% of dx
     assert not merged_partials(16, 128, 257, fp32)  # 16 KiB: not worth the merge's memset and wait
     assert merged_partials(7, 30, 262144, fp32)  # 7 MiB, a lone last group
+
+
+def test_forward_rungs_for_few_rows():
+    """Rungs with ``max_m`` serve a known M up to it; more rows, and a symbolic M (None), take
+    the rungs tuned at many rows. fp32 has none."""
+    bf16 = torch.bfloat16
+
+    def shape(cfg):
+        return cfg.looped, cfg.block_n, cfg.rows, cfg.num_warps
+
+    for residual in (False, True):
+        assert shape(forward_config(2048, bf16, residual, 16)) == (False, 2048, 1, 4)
+        assert shape(forward_config(2048, bf16, residual, 4096)) == (False, 2048, 1, 4)
+        assert forward_config(2048, bf16, residual, 4097) == forward_config(2048, bf16, residual)
+        assert shape(forward_config(2048, bf16, residual)) == (False, 2048, 2, 8)
+        assert shape(forward_config(4096, bf16, residual, 2048)) == (False, 4096, 1, 8)
+        assert forward_config(4096, bf16, residual, 2048).mask_free
+        assert forward_config(4096, bf16, residual, 2049) == forward_config(4096, bf16, residual)
+        assert forward_config(4096, bf16, residual).looped
+    assert shape(forward_config(5120, bf16, m=1024)) == (False, 8192, 1, 4)
+    assert shape(forward_config(5120, bf16, m=1025)) == (True, 1024, 1, 4)
+    assert shape(forward_config(5120, bf16, m=2048)) == (True, 1024, 1, 4)
+    assert forward_config(5120, bf16, m=2049) == forward_config(5120, bf16)
+    assert shape(forward_config(5120, bf16)) == (True, 1024, 1, 8)
+    summed = forward_config(5120, bf16, residual=True)
+    assert all(forward_config(5120, bf16, True, m) == summed for m in (16, 2048, None))
+    assert forward_config(4608, bf16, m=2048) == summed  # 1024 does not divide 4608
+    fp32 = torch.float32
+    for n in (2048, 4096, 5120):
+        assert forward_config(n, fp32, m=16) == forward_config(n, fp32)
+
+
+def test_a_symbolic_row_count_takes_the_rungs_for_many_rows():
+    """``dispatch.forward_plan`` passes M to the table only where it is an int: a graph traced
+    with a dynamic batch gets the launch tuned at many rows, one graph for every M."""
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    from torch_rmsnorm_op import dispatch
+
+    if not dispatch.interpreted():
+        pytest.skip("CPU tensors take the kernels through the Triton interpreter only")
+    bf16 = torch.bfloat16
+    w = torch.ones(2048, dtype=bf16)
+    assert dispatch.forward_plan(torch.empty(2048, 2048, dtype=bf16), w).cfg == forward_config(2048, bf16, m=2048)
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
+    x = mode.from_tensor(torch.empty(2048, 2048, dtype=bf16), symbolic_context=context)
+    with mode:
+        plan = dispatch.forward_plan(x, mode.from_tensor(w))
+    assert plan.cfg == forward_config(2048, bf16)
+    assert plan.cfg != forward_config(2048, bf16, m=2048)

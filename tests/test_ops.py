@@ -29,7 +29,7 @@ def mode(request, monkeypatch):
     if request.param == "table":
         return request.param
     fwd, bwd = MODES[request.param]
-    monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype, residual=False: fwd)
+    monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype, residual=False, m=None: fwd)
     monkeypatch.setattr(dispatch, "backward_config", lambda n, dtype: bwd)
     monkeypatch.setattr(dispatch, "_PLANS", {})
     return request.param
@@ -719,9 +719,10 @@ def test_contiguous_tensor_past_2_to_the_31_elements():
 
 @pytest.mark.parametrize("n", [1536, 5120, 6144])
 def test_forward_rungs_of_hidden_sizes_that_are_not_powers_of_two(device, n):
-    """The table's forward at such N (``config.FWD_LADDER``: 5,120 looped without a residual and
-    single-pass with one, 6,144 looped in steps of 2,048), through the public functions: the
-    reference's values, with and without the residual add, and the plan says which rung ran."""
+    """The table's forward at such N (``config.FWD_LADDER``: 5,120 single-pass at these 3 rows,
+    the few-rows rung, looped from 1,025 rows without a residual; 6,144 looped in steps of 2,048),
+    through the public functions: the reference's values, with and without the residual add,
+    and the plan says which rung ran."""
     x, r = (torch.randn(3, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     w = torch.rand(n, device=device, dtype=torch.bfloat16) + 0.5
     y = T.rms_norm(x, (n,), w, 1e-6)
@@ -732,4 +733,5 @@ def test_forward_rungs_of_hidden_sizes_that_are_not_powers_of_two(device, n):
     torch.testing.assert_close(y2, y2_ref, **TOL[torch.bfloat16])
     torch.testing.assert_close(s, s_ref, **TOL[torch.bfloat16])
     plain, summed = dispatch.forward_plan(x, w).cfg, dispatch.forward_plan(x, w, r).cfg
-    assert (plain.looped, summed.looped) == {1536: (False, False), 5120: (True, False), 6144: (True, True)}[n]
+    assert (plain.looped, summed.looped) == {1536: (False, False), 5120: (False, False), 6144: (True, True)}[n]
+    assert dispatch.forward_plan(x[:1].expand(2049, n), w).cfg.looped == (n != 1536)

@@ -1,4 +1,5 @@
-"""Launch configurations: one deterministic table, keyed by N (and dtype).
+"""Launch configurations: one deterministic table, keyed by N and dtype (a few forward rungs
+also by the number of rows, where it is known).
 
 No run-time autotuning: a different block shape changes the order of the
 floating-point reductions, so results would stop being bit-identical from
@@ -32,27 +33,43 @@ MAX_SPLIT = 128
 #
 # Forward: (max N, elements per program, warps, options). Single-pass (whole rows in
 # registers), or looped (``looped``: one row per program, elements = columns per step, x read
-# twice, the second time from cache: Inductor's loop). Two options only pick the rung: ``divides``
-# (N a multiple of the elements; other N go on down the ladder) and ``plain`` (forwards without a
-# residual only). Rungs marked "steps" are from profiling/results/2026-12-01-h200-forward-steps/
-# (8192 rows, inputs past L2; fwd-steps.json without the residual, add-fwd-steps.json with it).
+# twice, the second time from cache: Inductor's loop). Three options only pick the rung: ``divides``
+# (N a multiple of the elements; other N go on down the ladder), ``plain`` (forwards without a
+# residual only) and ``max_m`` (at most this many rows, where M is known when the plan is made: an
+# eager call, a graph traced with static shapes; a symbolic M goes on down). Rungs marked "steps" are
+# from profiling/results/2026-12-01-h200-forward-steps/ (8192 rows, inputs past L2; fwd-steps.json
+# without the residual, add-fwd-steps.json with it); "few rows" from
+# profiling/results/2026-12-02-h200-few-rows/ (few-rows.json: 16-4096 rows, inputs past L2).
 FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
     # Steps: N=1536 1 row x 4 warps 81.2%, with the residual 90.7% (2 rows x 8 warps, the N=2048 rung: 75.1% /
     # 90.3%; 2 rows x 1 warp 83.9% / 87.2%).
     (2047, 2048, 4, {}),
+    # Few rows: N=2048 1 row x 4 warps at 512-4096 rows, 2.72 / 3.67 / 5.63 / 10.24 us against the rung below's
+    # 2.87 / 3.86 / 6.87 / 11.00 (Inductor 6.29 at 2048 rows), with the residual 1,024-4,096 rows 5.52 / 9.40 /
+    # 17.88 against 5.55 / 10.48 / 18.28, 16 rows 1.37 against 1.55; at 8192 rows 18.54 against 18.36 (sweep.json).
+    (2048, 2048, 4, dict(mask_free=True, max_m=4096)),
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
     # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%).
     (2048, 4096, 8, dict(mask_free=True)),
     (4095, 4096, 8, {}),
+    # Few rows: N=4096 single-pass, 1 row x 8 warps without masks: 16 / 1024 / 2048 rows 1.41 / 5.78 / 10.68 us
+    # against the looped rung's 1.77 / 6.15 / 10.75, with the residual 1024 / 2048 rows 9.71 / 18.32 against 9.98 /
+    # 18.36; at 4096 rows 18.52 against 17.98.
+    (4096, 4096, 8, dict(mask_free=True, max_m=2048)),
     # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
     # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
     (4096, 4096, 8, dict(looped=True, mask_free=True)),
     # Steps: N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: 93.3%, 96.8% at
     # 16384 rows (1 row x 4 warps: 84.6%, 87.0%); with the residual the single-pass rung below stays (95.5%;
     # looped 92.7%).
+    # Few rows: N=4097-5120 single-pass, 1 row x 4 warps (the rung below 6144's): without a residual at 16 / 1024
+    # rows 1.70 / 7.91 us against the looped rung's 3.02 / 7.76; 5120 at 1025-2048 rows looped in steps of 1024 x 4
+    # warps, 12.39 us at 2048 rows against 8 warps' 13.26 (1 row x 4 warps 13.98), 23.26 against 22.83 at 4096.
+    (5120, 8192, 4, dict(max_m=1024)),
+    (5120, 1024, 4, dict(looped=True, mask_free=True, divides=True, plain=True, max_m=2048)),
     (5120, 1024, 8, dict(looped=True, mask_free=True, divides=True, plain=True)),
     # Steps: N=6144 looped in 3 steps of 2048 x 8 warps: 95.9%, with the residual 95.6% (1 row x 4 warps: 91.4% /
     # 95.7%).
@@ -238,13 +255,14 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
 
 
-def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False) -> KernelConfig:
+def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:
     block = next_power_of_2(n)
     for max_n, elements, warps, options in ladder:
         if n <= max_n:
             options = dict(options)
             divides, plain = options.pop("divides", False), options.pop("plain", False)
-            if (divides and n % elements) or (plain and residual):
+            max_m = options.pop("max_m", None)
+            if (divides and n % elements) or (plain and residual) or (max_m is not None and (m is None or m > max_m)):
                 continue
             looped = options.get("looped", False)
             if looped:  # elements = columns per step, one row per program
@@ -273,13 +291,26 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
     return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows)
 
 
-@functools.cache
-def forward_config(n: int, dtype: torch.dtype, residual: bool = False) -> KernelConfig:
+# The row counts at which the forward's choice can change (its rungs' ``max_m``), ascending.
+_FWD_ROW_BOUNDS = tuple(sorted({o["max_m"] for ladder in (FWD_LADDER, FWD_LADDER_FP32) for *_, o in ladder
+                                if "max_m" in o}))
+
+
+def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | None = None) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``) of ``dtype`` (the
-    normalized sum's, with ``residual``: the forward that adds a residual first)."""
+    normalized sum's, with ``residual``: the forward that adds a residual first), over ``m``
+    rows: an int where M is known, None where it is not (a symbolic M), which takes the rungs
+    tuned at many rows."""
+    if m is not None:  # the same configuration for every m up to the next bound
+        m = next((bound for bound in _FWD_ROW_BOUNDS if m <= bound), None)
+    return _forward_config(n, dtype, residual, m)
+
+
+@functools.cache
+def _forward_config(n: int, dtype: torch.dtype, residual: bool, m: int | None) -> KernelConfig:
     if dtype.itemsize == 4:
-        return _config(n, FWD_LADDER_FP32, FWD_SPLIT_FP32, residual)
-    return _config(n, FWD_LADDER, FWD_SPLIT, residual)
+        return _config(n, FWD_LADDER_FP32, FWD_SPLIT_FP32, residual, m)
+    return _config(n, FWD_LADDER, FWD_SPLIT, residual, m)
 
 
 @functools.cache
