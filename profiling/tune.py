@@ -325,7 +325,7 @@ def main() -> None:
         if job.backward:
             cfg = backward_config(job.n, job.dtype)
         else:
-            cfg = forward_config(job.n, job.dtype, job.residual, job.m)
+            cfg = forward_config(job.n, job.dtype, job.residual, job.m, job.wdtype)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
         jobs.append((job, candidates(job, table, args.table_only)))
     if args.workers > 1:

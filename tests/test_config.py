@@ -89,11 +89,16 @@ def test_forward_rungs_for_few_rows():
     fp32 = torch.float32
     for n in (2048, 4096, 5120):
         assert forward_config(n, fp32, m=16) == forward_config(n, fp32)
+        # A weight wider than x takes the rungs for many rows; as wide or narrower, the few-rows ones.
+        assert forward_config(n, bf16, m=16, weight_dtype=fp32) == forward_config(n, bf16)
+        assert forward_config(n, bf16, m=16, weight_dtype=bf16) == forward_config(n, bf16, m=16)
+        assert forward_config(n, fp32, m=16, weight_dtype=bf16) == forward_config(n, fp32)
 
 
-def test_a_symbolic_row_count_takes_the_rungs_for_many_rows():
+def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows():
     """``dispatch.forward_plan`` passes M to the table only where it is an int: a graph traced
-    with a dynamic batch gets the launch tuned at many rows, one graph for every M."""
+    with a dynamic batch gets the launch tuned at many rows, one graph for every M; and it
+    passes the weight's dtype: an fp32 weight over bf16 rows gets that launch too."""
     from torch._subclasses import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -104,6 +109,7 @@ def test_a_symbolic_row_count_takes_the_rungs_for_many_rows():
     bf16 = torch.bfloat16
     w = torch.ones(2048, dtype=bf16)
     assert dispatch.forward_plan(torch.empty(2048, 2048, dtype=bf16), w).cfg == forward_config(2048, bf16, m=2048)
+    assert dispatch.forward_plan(torch.empty(2048, 2048, dtype=bf16), w.float()).cfg == forward_config(2048, bf16)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
     x = mode.from_tensor(torch.empty(2048, 2048, dtype=bf16), symbolic_context=context)

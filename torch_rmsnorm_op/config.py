@@ -36,7 +36,8 @@ MAX_SPLIT = 128
 # twice, the second time from cache: Inductor's loop). Three options only pick the rung: ``divides``
 # (N a multiple of the elements; other N go on down the ladder), ``plain`` (forwards without a
 # residual only) and ``max_m`` (at most this many rows, where M is known when the plan is made: an
-# eager call, a graph traced with static shapes; a symbolic M goes on down). Rungs marked "steps" are
+# eager call, a graph traced with static shapes; a symbolic M, or a weight wider than x, goes on
+# down: forward_config). Rungs marked "steps" are
 # from profiling/results/2026-12-01-h200-forward-steps/ (8192 rows, inputs past L2; fwd-steps.json
 # without the residual, add-fwd-steps.json with it); "few rows" from
 # profiling/results/2026-12-02-h200-few-rows/ (few-rows.json: 16-4096 rows, inputs past L2).
@@ -48,7 +49,8 @@ FWD_LADDER = (
     (2047, 2048, 4, {}),
     # Few rows: N=2048 1 row x 4 warps at 512-4096 rows, 2.72 / 3.67 / 5.63 / 10.24 us against the rung below's
     # 2.87 / 3.86 / 6.87 / 11.00 (Inductor 6.29 at 2048 rows), with the residual 1,024-4,096 rows 5.52 / 9.40 /
-    # 17.88 against 5.55 / 10.48 / 18.28, 16 rows 1.37 against 1.55; at 8192 rows 18.54 against 18.36 (sweep.json).
+    # 17.88 against 5.55 / 10.48 / 18.28, 16 rows 1.37 against 1.55; at 8192 rows 18.54 against 18.36 (real-shapes
+    # sweep.json, below).
     (2048, 2048, 4, dict(mask_free=True, max_m=4096)),
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
@@ -62,14 +64,14 @@ FWD_LADDER = (
     # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
     # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
     (4096, 4096, 8, dict(looped=True, mask_free=True)),
-    # Steps: N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: 93.3%, 96.8% at
-    # 16384 rows (1 row x 4 warps: 84.6%, 87.0%); with the residual the single-pass rung below stays (95.5%;
-    # looped 92.7%).
     # Few rows: N=4097-5120 single-pass, 1 row x 4 warps (the rung below 6144's): without a residual at 16 / 1024
     # rows 1.70 / 7.91 us against the looped rung's 3.02 / 7.76; 5120 at 1025-2048 rows looped in steps of 1024 x 4
     # warps, 12.39 us at 2048 rows against 8 warps' 13.26 (1 row x 4 warps 13.98), 23.26 against 22.83 at 4096.
     (5120, 8192, 4, dict(max_m=1024)),
     (5120, 1024, 4, dict(looped=True, mask_free=True, divides=True, plain=True, max_m=2048)),
+    # Steps: N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: 93.3%, 96.8% at
+    # 16384 rows (1 row x 4 warps: 84.6%, 87.0%); with the residual the single-pass rung below stays (95.5%;
+    # looped 92.7%).
     (5120, 1024, 8, dict(looped=True, mask_free=True, divides=True, plain=True)),
     # Steps: N=6144 looped in 3 steps of 2048 x 8 warps: 95.9%, with the residual 95.6% (1 row x 4 warps: 91.4% /
     # 95.7%).
@@ -296,11 +298,17 @@ _FWD_ROW_BOUNDS = tuple(sorted({o["max_m"] for ladder in (FWD_LADDER, FWD_LADDER
                                 if "max_m" in o}))
 
 
-def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | None = None) -> KernelConfig:
+def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | None = None,
+                   weight_dtype: torch.dtype | None = None) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``) of ``dtype`` (the
     normalized sum's, with ``residual``: the forward that adds a residual first), over ``m``
     rows: an int where M is known, None where it is not (a symbolic M), which takes the rungs
-    tuned at many rows."""
+    tuned at many rows, as does a ``weight_dtype`` wider than ``dtype``: the few-rows rungs give
+    each program one row, which reads the whole weight once a row, and were tuned with a weight
+    as wide as x (at 2048 x 2048 bf16 with an fp32 weight, 1 row x 4 warps took 7.64 us against
+    the many-rows rung's 7.16; profiling/results/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
+    if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
+        m = None
     if m is not None:  # the same configuration for every m up to the next bound
         m = next((bound for bound in _FWD_ROW_BOUNDS if m <= bound), None)
     return _forward_config(n, dtype, residual, m)
