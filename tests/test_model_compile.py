@@ -104,6 +104,19 @@ def test_reduce_overhead_has_no_cudagraph_skips():
     torch.testing.assert_close(out, stock(tokens), **MODEL[torch.float32])
 
 
+def _run_package(code: str, env: dict | None = None) -> None:
+    """Run ``code``, which loads an AOTInductor package and checks what it computes, in a
+    subprocess: it must succeed, or, where ``aoti_load_package`` crashes the process (where it
+    does, it does for a plain Linear + ReLU model too), the test is an expected failure, the
+    package having been compiled and inspected before."""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    print(f"aoti load-and-run: rc={run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}")
+    if run.returncode < 0:
+        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); the package compiled "
+                     "and was inspected")
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
 @pytest.mark.cuda
 def test_export_and_aoti_package(tmp_path):
     _, patched = _models("cuda")
@@ -129,13 +142,7 @@ def test_export_and_aoti_package(tmp_path):
         f"torch.testing.assert_close(out.cpu(), torch.load({str(tmp_path / 'want.pt')!r}), **{MODEL[torch.float32]!r})\n"
         "print('AOTI package ran and matched')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    print(f"aoti load-and-run: rc={run.returncode}\n{run.stdout}\n{run.stderr[-2000:]}")
-    if run.returncode < 0:
-        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); it crashes on "
-                     "this machine for a plain Linear + ReLU model too. The package compiled and was inspected")
-    assert run.returncode == 0, run.stderr[-2000:]
+    _run_package(code, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
 
 
 def test_cpu_aoti_package_computes_the_norms_without_python(tmp_path):
@@ -165,11 +172,7 @@ def test_cpu_aoti_package_computes_the_norms_without_python(tmp_path):
         f"torch.testing.assert_close(out, want, **{MODEL[torch.float32]!r})\n"
         "assert 'torch_rmsnorm_op' not in sys.modules\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    if run.returncode < 0:
-        pytest.xfail(f"aoti_load_package crashed the subprocess (signal {-run.returncode}); the package compiled "
-                     "and was inspected")
-    assert run.returncode == 0, run.stderr[-2000:]
+    _run_package(code)
 
 
 def test_cpu_aoti_package_under_the_error_policy_raises():
