@@ -95,7 +95,7 @@ def test_forward_rungs_for_few_rows():
         assert forward_config(n, fp32, m=16, weight_dtype=bf16) == forward_config(n, fp32)
 
 
-def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows():
+def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows(device):
     """``dispatch.forward_plan`` passes M to the table only where it is an int: a graph traced
     with a dynamic batch gets the launch tuned at many rows, one graph for every M; and it
     passes the weight's dtype: an fp32 weight over bf16 rows gets that launch too."""
@@ -104,15 +104,13 @@ def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows():
 
     from torch_rmsnorm_op import dispatch
 
-    if not dispatch.interpreted():
-        pytest.skip("CPU tensors take the kernels through the Triton interpreter only")
     bf16 = torch.bfloat16
-    w = torch.ones(2048, dtype=bf16)
-    assert dispatch.forward_plan(torch.empty(2048, 2048, dtype=bf16), w).cfg == forward_config(2048, bf16, m=2048)
-    assert dispatch.forward_plan(torch.empty(2048, 2048, dtype=bf16), w.float()).cfg == forward_config(2048, bf16)
+    x, w = torch.empty(2048, 2048, dtype=bf16, device=device), torch.ones(2048, dtype=bf16, device=device)
+    assert dispatch.forward_plan(x, w).cfg == forward_config(2048, bf16, m=2048)
+    assert dispatch.forward_plan(x, w.float()).cfg == forward_config(2048, bf16)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
-    x = mode.from_tensor(torch.empty(2048, 2048, dtype=bf16), symbolic_context=context)
+    x = mode.from_tensor(x, symbolic_context=context)
     with mode:
         plan = dispatch.forward_plan(x, mode.from_tensor(w))
     assert plan.cfg == forward_config(2048, bf16)
