@@ -21,13 +21,13 @@ in the graph Dynamo captured (before AOTAutograd) into ``y, s, rstd = rmsnorm.ad
 weight, eps, ...)``: one kernel reads a and b and writes y and the sum, and its backward adds
 the sum's own gradient into dx. Model code stays as it is.
 
-Nothing is rewritten where the result could change: only an out-of-place ``a + b`` of two
+Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
 whose result feeds the norm directly. The fused op computes the sum as torch does (in fp32,
 rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it with
-the unfused op's kernel configuration, so y is too, but at N where the table keeps a rung for
-the forward without a residual (``plain`` in ``config.FWD_LADDER``: N = 5,120), whose sum of
-squares runs in another order.
+the unfused op's kernel configuration, so y is too, except at N where the table keeps a rung
+for the forward without a residual (``plain`` in ``config.FWD_LADDER``: N = 5,120), whose sum
+of squares is added in another order: there y may differ in its last place.
 
 The pass runs as Inductor's ``pre_grad_custom_pass``. Turn it off with
 ``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``.
