@@ -298,16 +298,16 @@ _FWD_ROW_BOUNDS = tuple(sorted({o["max_m"] for ladder in (FWD_LADDER, FWD_LADDER
                                 if "max_m" in o}))
 
 
-def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | None = None,
+def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | torch.SymInt | None = None,
                    weight_dtype: torch.dtype | None = None) -> KernelConfig:
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``) of ``dtype`` (the
     normalized sum's, with ``residual``: the forward that adds a residual first), over ``m``
-    rows: an int where M is known, None where it is not (a symbolic M), which takes the rungs
-    tuned at many rows, as does a ``weight_dtype`` wider than ``dtype``: the few-rows rungs give
+    rows: where M is not an int (None, or symbolic while tracing) the rungs tuned at many rows
+    serve, as they do for a ``weight_dtype`` wider than ``dtype``: the few-rows rungs give
     each program one row, which reads the whole weight once a row, and were tuned with a weight
     as wide as x (at 2048 x 2048 bf16 with an fp32 weight, 1 row x 4 warps took 7.64 us against
     the many-rows rung's 7.16; profiling/results/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
-    if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
+    if type(m) is not int or (weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize):
         m = None
     if m is not None:  # the same configuration for every m up to the next bound
         m = next((bound for bound in _FWD_ROW_BOUNDS if m <= bound), None)

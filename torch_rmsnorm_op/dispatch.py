@@ -144,8 +144,7 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         n = int(x.shape[-1])
         m = x.numel() // n
-        cfg = forward_config(n, sum_dtype, residual is not None, m if type(m) is int else None,
-                             None if weight is None else weight.dtype)
+        cfg = forward_config(n, sum_dtype, residual is not None, m, None if weight is None else weight.dtype)
         cfg = fit_to_rows(cfg, m, x.device)
         return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd)
 
