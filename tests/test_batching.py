@@ -205,6 +205,31 @@ def test_vmap_per_sample_weights_forward_and_the_policy(device):
         torch.vmap(lambda a, w: torch.ops.rmsnorm.fwd(a, w, 1e-6))(x, ws[:, :-1])
 
 
+@pytest.mark.parametrize("per_sample", [None, "x_weight", "weight"])
+def test_vmap_norm_add(device, per_sample):
+    """``norm_add_fwd`` under vmap, the batch at dim 1 of x, the residual unbatched: one call on
+    all rows, the same values as a call per sample; a per-sample weight takes the reference,
+    counted."""
+    x, r = torch.randn(3, 4, N, device=device), torch.randn(3, N, device=device)
+    weights = {"x_weight": torch.rand(N, device=device) + 0.5, "weight": torch.rand(N, device=device) + 0.5}
+    if per_sample:
+        weights[per_sample] = torch.rand(4, N, device=device) + 0.5
+    in_dims = (1, None, 0 if per_sample == "x_weight" else None, 0 if per_sample == "weight" else None)
+
+    def f(a, res, xw, w):
+        return torch.ops.rmsnorm.norm_add_fwd(a, res, xw, 1e-6, w, 1e-5, weight_offset=1.0)
+
+    with T.fallback_policy("reference" if per_sample else "error"):
+        got = torch.vmap(f, in_dims=in_dims)(x, r, weights["x_weight"], weights["weight"])
+    reasons = {"rmsnorm.norm_add_fwd: per-sample weights under vmap": 1} if per_sample else {}
+    assert T.dispatch_stats()["fallback"] == reasons
+    for b in range(4):
+        pick = {k: (v[b] if k == per_sample else v) for k, v in weights.items()}
+        want = f(x[:, b], r, pick["x_weight"], pick["weight"])
+        for a, w in zip(got, want):
+            torch.testing.assert_close(a[b], w, **BATCHED[torch.float32])
+
+
 def test_backward_of_a_vmapped_forward(device):
     x = torch.randn(3, 2, N, device=device, requires_grad=True)
     w = torch.randn(N, device=device, requires_grad=True)

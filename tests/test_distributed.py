@@ -330,6 +330,20 @@ def _dtensor_ops_worker(rank, init_method, backend, out_dir):
                             ("dresidual", rd.grad, leaves[1].grad), ("dweight", wd.grad, leaves[2].grad)):
         check(f"add_rms_norm {name}", got, want)
     assert wd.grad.placements == (Partial(),)
+
+    # Norm, residual add, norm (Gemma's), rows sharded: the outputs keep the rows' placement.
+    xd, rd = (distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (x, r))
+    xwd, wd = (distribute_tensor(t, mesh, [Replicate()]).requires_grad_() for t in (w, w.flip(0)))
+    outs = torch.ops.rmsnorm.norm_add_fwd(xd, rd, xwd, 1e-6, wd, 1e-5, weight_offset=1.0)
+    assert all(t.placements == (Shard(1),) for t in outs)
+    torch.autograd.backward(outs[:2], (distribute_tensor(dy, mesh, [Shard(1)]), distribute_tensor(r, mesh, [Shard(1)])))
+    want, leaves = one_process(lambda a, b, c, d: torch.ops.rmsnorm.norm_add_fwd(a, b, c, 1e-6, d, 1e-5,
+                                                                                 weight_offset=1.0), x, r, w, w.flip(0))
+    torch.autograd.backward(want[:2], (dy, r))
+    for name, got, expected in zip(("y", "residual_out", "rstd", "x_rstd"), outs, want):
+        check(f"norm_add_fwd {name}", got, expected)
+    for name, got, leaf in zip(("dx", "dresidual", "dx_weight", "dweight"), (xd, rd, xwd, wd), leaves):
+        check(f"norm_add_fwd {name}", got.grad, leaf.grad)
     _finish()
 
 

@@ -61,15 +61,15 @@ def _fusion_on():
     fusion.set_epilogue_decomposition(None)
 
 
-@pytest.mark.parametrize("family,fused,plain", [("Llama", 4, 0), ("Qwen3", 4, 0), ("Olmo2", 1, 1)])
-def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain):
+@pytest.mark.parametrize("family,fused,plain,joined", [("Llama", 4, 0, 0), ("Qwen3", 4, 0, 0), ("Olmo2", 0, 0, 1)])
+def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain, joined):
     """A patched, compiled 2-layer decoder. Llama, Qwen3: every norm after a residual add (each
     layer's post-attention norm, the next layer's input norm, the final norm) runs as
     ``add_fwd``; the first layer's input norm, which reads the embeddings, and Qwen3's q/k
     norms, read only by RoPE, as Inductor's own kernels (``decompose_epilogue_norms``). OLMo2
-    (norms after attention and MLP, q/k norms): the final norm takes the last residual add, so
-    the last MLP norm, which feeds that add, stays ``fwd``; every other norm is read by RoPE or
-    by a residual add alone and is Inductor's. Logits and every gradient match the unpatched
+    (norms after attention and MLP, q/k norms): the final norm takes the last residual add, and
+    the last MLP norm, which feeds that add, joins them (``norm_add_fwd``); every other norm is
+    read by RoPE or by a residual add alone and is Inductor's. Logits and every gradient match the unpatched
     model."""
     layers = 2
     stock = _tiny(family, layers)
@@ -78,7 +78,7 @@ def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain):
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     compiled = torch.compile(patched, fullgraph=True)
     (out, code) = _code(lambda i: compiled(input_ids=i, labels=i), ids)
-    assert (_calls(code, "add_fwd"), _calls(code, "fwd")) == (fused, plain)
+    assert (_calls(code, "add_fwd"), _calls(code, "fwd"), _calls(code, "norm_add_fwd")) == (fused, plain, joined)
     want = stock(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.logits, want.logits, **MODEL[torch.float32])
     out.loss.backward()
@@ -256,20 +256,81 @@ def test_the_norm_left_to_inductor_differentiates_as_the_family_does():
         assert torch.equal(a, b)
 
 
-def test_a_norm_read_by_a_fused_add_stays_ours():
+def test_a_norm_read_by_a_fused_add_joins_it():
     """Gemma's post-attention norm: its output is added to the residual just before the next
-    norm. The residual rewrite runs first and takes that add, so the norm feeds ``add_fwd`` and
-    stays our kernel."""
+    norm. The residual rewrite takes that add, then the norm joins it: one ``norm_add_fwd``,
+    which computes what the graph did, bit for bit."""
     def f(x, r):
         return torch.nn.functional.linear(T.rms_norm(r + T.rms_norm(x, (16,), W16), (16,), W16), PROJ)
 
+    x, r = torch.randn(4, 16), torch.randn(4, 16)
+    gm, inputs = _graph(f, x, r)
+    want = gm(*inputs)
+    assert fusion.rewrite_pre_grad(gm.graph) == 2
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.rmsnorm.norm_add_fwd.default in targets
+    assert not {torch.ops.rmsnorm.fwd, torch.ops.rmsnorm.fwd.default, torch.ops.rmsnorm.add_fwd.default} & set(targets)
+    assert torch.equal(gm(*inputs)[0], want[0])
+    fusion.set_residual_fusion(False)  # the residual rewrite's switch turns both off
+    gm, _ = _graph(f, x, r)
+    fusion.rewrite_pre_grad(gm.graph)  # the first norm, read by a plain add now, left to Inductor
+    targets = {n.target for n in gm.graph.nodes}
+    assert not {torch.ops.rmsnorm.norm_add_fwd.default, torch.ops.rmsnorm.add_fwd.default} & targets
+
+
+def _gemma_norm(t, weight=W16, offset=1.0):
+    return T.rms_norm(t, (16,), weight, 1e-6, weight_offset=offset)
+
+
+@pytest.mark.parametrize("name,f,fused", [
+    ("sandwich", lambda x, r: _gemma_norm(r + _gemma_norm(x)), True),
+    ("the sum first", lambda x, r: _gemma_norm(_gemma_norm(x) + r), True),
+    ("the first norm's output read too", lambda x, r: (lambda y: (_gemma_norm(r + y), y))(_gemma_norm(x)), False),
+    ("other keywords", lambda x, r: _gemma_norm(r + _gemma_norm(x, offset=0.0)), False),
+    ("another output dtype",
+     lambda x, r: T.rms_norm(r + T.rms_norm(x, (16,), W16, out_dtype=torch.float32), (16,), W16), False),
+    ("the norm of the sum with another output dtype",
+     lambda x, r: T.rms_norm(r + _gemma_norm(x), (16,), W16, out_dtype=torch.float16), False),
+    ("a norm's output added to itself", lambda x, r: (lambda y: _gemma_norm(y + y))(_gemma_norm(x)), False),
+])
+def test_what_joins_a_norm_add(name, f, fused):
+    """Only a norm whose y nothing else reads, with the next norm's keywords (no output dtype),
+    into a fused add of it and another tensor; the rewritten graph computes what the original
+    does, bit for bit."""
     gm, inputs = _graph(f, torch.randn(4, 16), torch.randn(4, 16))
     want = gm(*inputs)
-    assert fusion.rewrite_pre_grad(gm.graph) == 1
+    assert fusion.fuse_residual_adds(gm.graph) == 1, name
+    assert fusion.fuse_norm_add_norms(gm.graph) == int(fused), name
     gm.recompile()
-    targets = [n.target for n in gm.graph.nodes]
-    assert torch.ops.rmsnorm.add_fwd.default in targets and torch.ops.rmsnorm.fwd in targets
-    torch.testing.assert_close(gm(*inputs), want)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.rmsnorm.norm_add_fwd.default in targets) is fused
+    got = gm(*inputs)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        assert torch.equal(a, b), name
+
+
+def test_gemma3_norms_around_each_residual_add_run_as_one_op():
+    """A patched, compiled 1-layer Gemma 3: the norm after attention joins the residual add and
+    ``pre_feedforward_layernorm``, the norm after the MLP the last add and the final norm: 2
+    ``norm_add_fwd``, no ``add_fwd`` left; logits and every gradient match the unpatched
+    model. (Gemma 2, and 2 layers: ``test_families_leave_to_inductor_...``.)"""
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    stock = transformers.Gemma3ForCausalLM(cfg).eval()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    out, code = _code(lambda i: torch.compile(patched, fullgraph=True)(input_ids=i, labels=i), ids)
+    assert (_calls(code, "norm_add_fwd"), _calls(code, "add_fwd")) == (2, 0)
+    want = stock(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, want.logits, **MODEL[torch.float32])
+    out.loss.backward()
+    want.loss.backward()
+    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=name)
 
 
 @pytest.mark.parametrize("setting", ["function", "environment"])
@@ -546,6 +607,33 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
 
 
 @pytest.mark.cuda
+def test_cuda_gemma3_launches_the_norm_add_kernel():
+    """A patched bf16 Gemma 3 compiled with Inductor on CUDA, training: the output code launches
+    the norm-add kernel (twice a layer: ``norm_add_fwd`` decomposes into its launch, where both
+    norms share a single-pass configuration, as they do here) and calls no ``torch.ops.rmsnorm``;
+    loss and gradients are within the tolerance of the stock compiled model's."""
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=32, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    stock = transformers.Gemma3ForCausalLM(cfg).cuda().to(torch.bfloat16).train()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    with T.fallback_policy("error"):
+        out, code = _code(lambda i: torch.compile(patched, fullgraph=True)(input_ids=i, labels=i), ids)
+    assert T.dispatch_stats()["compiled"].get("rmsnorm.norm_add_fwd: kernel", 0) == 4, T.dispatch_stats()
+    FileCheck().check("_rms_norm_fwd_norm_add_rows").check_not("torch.ops.rmsnorm").run(code)
+    torch._dynamo.reset()
+    want = torch.compile(stock, fullgraph=True)(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.loss, want.loss, **MODEL[torch.bfloat16])
+    out.loss.backward()
+    want.loss.backward()
+    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.bfloat16], msg=name)
+
+
+@pytest.mark.cuda
 def test_cuda_qwen3_head_norms_fuse_with_rope():
     """A patched bf16 Qwen3 compiled with Inductor on CUDA: its q/k norms compile into
     Inductor kernels that also apply RoPE (one kernel names both ``rsqrt`` and RoPE's ``cat``,
@@ -567,22 +655,24 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
     torch.testing.assert_close(out.loss, want.loss, **MODEL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("config,model,left", [
-    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5),  # q/k norms of 2 layers, the first input norm (embeddings)
-    ("Gemma3TextConfig", "Gemma3ForCausalLM", 5),  # q/k norms, the first input norm (scaled embeddings); the
-    # norms around attention and MLP stay ours
-    ("Gemma2Config", "Gemma2ForCausalLM", 1),  # the first input norm; every other norm feeds a projection or a
-    # fused residual add
-    ("Olmo2Config", "Olmo2ForCausalLM", 7),  # q/k norms, and the norms read only by a residual add (the first
-    # norm reads attention's output, not the embeddings)
+@pytest.mark.parametrize("config,model,left,joined", [
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5, 0),  # q/k norms of 2 layers, the first input norm (embeddings)
+    ("Gemma3TextConfig", "Gemma3ForCausalLM", 5, 4),  # q/k norms, the first input norm (scaled embeddings); the
+    # norms after attention and MLP join the residual add and the norm after it
+    ("Gemma2Config", "Gemma2ForCausalLM", 1, 4),  # the first input norm; every other norm feeds a projection or
+    # joins a fused residual add
+    ("Olmo2Config", "Olmo2ForCausalLM", 7, 1),  # q/k norms, and the norms read only by a residual add (the first
+    # norm reads attention's output, not the embeddings); the last MLP norm joins the last add and the final norm
 ])
-def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, monkeypatch):
+def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, joined, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
-    its code gives norms whose output only elementwise ops read or whose input is the embeddings;
+    its code gives norms whose output only elementwise ops read or whose input is the embeddings,
+    and as many ``norm_add_fwd`` as it has norms read only by a residual add that a norm reads;
     logits match the unpatched model."""
     counts = []
-    real = fusion.decompose_epilogue_norms
-    monkeypatch.setattr(fusion, "decompose_epilogue_norms", lambda graph: counts.append(real(graph)) or counts[-1])
+    for name in ("fuse_norm_add_norms", "decompose_epilogue_norms"):
+        real = getattr(fusion, name)
+        monkeypatch.setattr(fusion, name, lambda graph, real=real: counts.append(real(graph)) or counts[-1])
     cfg = getattr(transformers, config)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
@@ -594,5 +684,5 @@ def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, 
     with compiling_afresh(), torch.no_grad():  # a cached graph would skip the pass
         out = torch.compile(patched, fullgraph=True)(input_ids=ids).logits
         want = stock(input_ids=ids).logits
-    assert counts == [left]
+    assert counts == [joined, left]
     torch.testing.assert_close(out, want, **MODEL[torch.float32])

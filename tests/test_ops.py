@@ -735,3 +735,118 @@ def test_forward_rungs_of_hidden_sizes_that_are_not_powers_of_two(device, n):
     plain, summed = dispatch.forward_plan(x, w).cfg, dispatch.forward_plan(x, w, r).cfg
     assert (plain.looped, summed.looped) == {1536: (False, False), 5120: (False, False), 6144: (True, True)}[n]
     assert dispatch.forward_plan(x[:1].expand(2049, n), w).cfg.looped == (n != 1536)
+
+
+def _norm_add_inputs(device, mode, r_dtype=torch.bfloat16, weights=True):
+    x, w = _sample(device, torch.bfloat16, weights, "transposed" if mode == "split" else "strided", True)
+    r = torch.randn(x.shape, device=device, dtype=r_dtype, requires_grad=True)
+    w2 = None if w is None else (torch.rand_like(w) + 0.5).requires_grad_()
+    return x, r, w, w2
+
+
+@pytest.mark.parametrize("mode", ["table", "rows", "looped"], indirect=True)
+def test_opcheck_norm_add(device, mode):
+    """``norm_add_fwd``: one kernel where both norms take the same single-pass configuration
+    (the table's at this N for a bf16 sum, "rows"), the two ops' launches elsewhere (an fp32 sum,
+    looped; split mode takes the same path); Gemma's weight offset."""
+    for r_dtype in ((torch.bfloat16, torch.float32) if mode == "table" else (torch.bfloat16,)):
+        x, r, w, w2 = _norm_add_inputs(device, mode, r_dtype)
+        torch.library.opcheck(torch.ops.rmsnorm.norm_add_fwd, (x, r, w, 1e-6, w2, 1e-5), {"weight_offset": 1.0})
+    assert T.dispatch_stats()["kernel"].get("rmsnorm.norm_add_fwd", 0) > 0
+    assert "rmsnorm.fwd" not in T.dispatch_stats()["kernel"]
+    assert T.dispatch_stats()["fallback"] == {}
+    # an fp32 sum takes the fp32 table: two launches (fused, at this N, with a bf16 residual)
+    fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w), dispatch.forward_plan(r, w2, x))
+    assert fuses == (mode == "rows")
+
+
+@pytest.mark.parametrize("mode,kw,weights", [
+    ("table", {}, True), ("table", {"weight_offset": 1.0}, True), ("table", {"norm_dtype": torch.bfloat16}, True),
+    ("table", {}, False), ("rows", {}, True), ("looped", {"weight_offset": 1.0}, True)], indirect=["mode"])
+def test_norm_add_is_the_two_ops_bit_for_bit(device, mode, kw, weights):
+    """``norm_add_fwd(x, r, ...)`` against ``fwd(x)`` then ``add_fwd(r, that)``, the graph it
+    replaces: the same y, sum and rstds, and the same gradients of x, r and both weights."""
+    x, r, w, w2 = _norm_add_inputs(device, mode, weights=weights)
+    y, h, rstd, x_rstd = torch.ops.rmsnorm.norm_add_fwd(x, r, w, 1e-6, w2, 1e-5, **kw)
+    y1, x_rstd1 = torch.ops.rmsnorm.fwd(x, w, 1e-6, **kw)
+    want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-5, **kw), x_rstd1)
+    for name, a, b in zip(("y", "residual_out", "rstd", "x_rstd"), (y, h, rstd, x_rstd), want):
+        assert torch.equal(a, b), name
+    dy, dh = torch.randn_like(y), torch.randn_like(h)
+    inputs = [t for t in (x, r, w, w2) if t is not None]
+    got = torch.autograd.grad((y * dy).sum() + (h * dh).sum(), inputs)
+    expected = torch.autograd.grad((want[0] * dy).sum() + (want[1] * dh).sum(), inputs)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    ref = reference.norm_add_rms_norm_forward(x, r, w, 1e-6, w2, 1e-5, **kw)
+    torch.testing.assert_close(y, ref[0], **few_roundings(torch.bfloat16))
+    assert T.dispatch_stats()["fallback"] == {}
+
+
+def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configuration(device):
+    """``launch.norm_add_fuses`` on the table's plans: N = 2,048 and 5,120 up to 1,024 rows
+    (the few-rows rungs, single-pass with and without a residual), not 5,120 at 2,048 rows
+    (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both)."""
+    bf16 = torch.bfloat16
+
+    def fuses(m, n):
+        x, r = (torch.empty(m, n, dtype=bf16, device=device) for _ in range(2))
+        w = torch.ones(n, dtype=bf16, device=device)
+        return launch.norm_add_fuses(dispatch.forward_plan(x, w), dispatch.forward_plan(r, w, x))
+
+    assert [fuses(m, n) for m, n in ((2048, 2048), (1024, 5120), (2048, 5120), (8192, 4096))] == [
+        True, True, False, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_add_of_zero_width_rows_matches_the_fake(device, dtype):
+    x, r = torch.randn(3, 0, device=device, dtype=dtype), torch.randn(3, 0, device=device, dtype=dtype)
+    torch.library.opcheck(torch.ops.rmsnorm.norm_add_fwd, (x, r, None, 1e-6, None, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+    y, h, rstd, x_rstd = torch.ops.rmsnorm.norm_add_fwd(x, r, None, 1e-6, None, 1e-6)
+    assert y.shape == h.shape == (3, 0) and rstd.isnan().all() and x_rstd.isnan().all()
+    assert T.dispatch_stats()["fallback"] == {}
+
+
+def test_norm_add_checks_its_arguments(device):
+    x, r = torch.randn(2, 8, device=device), torch.randn(2, 8, device=device)
+    w = torch.ones(8, device=device)
+    with pytest.raises(ValueError, match=r"rmsnorm.norm_add_fwd: x_weight must have shape \[N\] = \[8\]"):
+        torch.ops.rmsnorm.norm_add_fwd(x, r, torch.ones(4, device=device), 1e-6, w, 1e-6)
+    with pytest.raises(ValueError, match=r"rmsnorm.norm_add_fwd: residual must have x's shape \[2, 8\]"):
+        torch.ops.rmsnorm.norm_add_fwd(x, r[:1], w, 1e-6, w, 1e-6)
+    with pytest.raises(ValueError, match=r"rmsnorm.norm_add_fwd: weight must have shape"):
+        torch.ops.rmsnorm.norm_add_fwd(x, r, w, 1e-6, w[:4], 1e-6)
+
+
+def test_norm_add_in_float64_is_the_counted_reference(device):
+    """float64: the reference, counted as the op's fallback (and its gradient as ``add_bwd``'s
+    and ``bwd``'s), refused under "error"; the gradient passes gradcheck."""
+    x, r = (torch.randn(3, 9, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    w1, w2 = (torch.rand(9, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+
+    def f(*a):
+        return torch.ops.rmsnorm.norm_add_fwd(a[0], a[1], a[2], 1e-6, a[3], 1e-5)[:2]
+
+    with T.fallback_policy("error"), pytest.raises(T.FallbackError):
+        f(x, r, w1, w2)
+    with T.fallback_policy("reference"):
+        assert torch.autograd.gradcheck(f, (x, r, w1, w2))
+    reasons = T.dispatch_stats()["fallback"]
+    assert {k.split(":")[0] for k in reasons} == {"rmsnorm.norm_add_fwd", "rmsnorm.bwd", "rmsnorm.add_bwd"}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n", [(16, 2048), (2048, 2048), (8192, 1152), (1024, 5120), (2048, 5120), (4096, 5376)])
+def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n):
+    """Gemma's widths and token counts, bf16, the weight offset: one kernel (all but 2,048 x
+    5,120, which takes two launches) with the two ops' values, bit for bit."""
+    x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w1, w2 = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2))
+    got = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, 1e-6, w2, 1e-6, weight_offset=1.0)
+    y1, x_rstd = torch.ops.rmsnorm.fwd(x, w1, 1e-6, weight_offset=1.0)
+    want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-6, weight_offset=1.0), x_rstd)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w1), dispatch.forward_plan(r, w2, x))
+    assert fuses == ((m, n) != (2048, 5120))

@@ -1,4 +1,4 @@
-"""vmap rules for the four ``torch.ops.rmsnorm`` ops.
+"""vmap rules for the ``torch.ops.rmsnorm`` ops.
 
 Each rule is registered twice: with ``torch.library.register_vmap`` for ``torch.vmap``, and on
 the "Batched" dispatch key for the older vmap (``torch._vmap_internals``) under which
@@ -157,6 +157,22 @@ def _add_bwd_vmap(info, in_dims, dy: Tensor, dresidual_out: Tensor | None, resid
     return (dx, _per_sample_dweight(dy_b, ro_b, rstd_b, weight, size, ro_e.shape[1:])), (0, 0)
 
 
+def _norm_add_fwd_vmap(info, in_dims, x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float,
+                       weight: Tensor | None, eps: float, **kwargs):
+    x_dim, r_dim, xw_dim, _, w_dim, _ = in_dims
+    x, residual = _expanded(x, x_dim, info.batch_size), _expanded(residual, r_dim, info.batch_size)
+    if xw_dim is None and w_dim is None:
+        out = torch.ops.rmsnorm.norm_add_fwd(_rows_for_kernels(x, x_weight), _rows_for_kernels(residual, weight),
+                                             x_weight, x_eps, weight, eps, **kwargs)
+        return out, (0, 0, 0, 0)
+    for w, dim in ((x_weight, xw_dim), (weight, w_dim)):
+        check_forward_args(_sample(x), None if w is None else _sample(_expanded(w, dim, info.batch_size)))
+    record_fallback("rmsnorm.norm_add_fwd", _PER_SAMPLE_WEIGHTS)
+    xw, w = (None if t is None else _broadcast_weight(_expanded(t, d, info.batch_size), 0, x.dim())
+             for t, d in ((x_weight, xw_dim), (weight, w_dim)))
+    return reference.norm_add_rms_norm_forward(x, residual, xw, x_eps, w, eps, **kwargs), (0, 0, 0, 0)
+
+
 # torch.autograd.grad(is_grads_batched=True), jacobian(vectorize=True) and gradcheck's batched
 # check run the backward under torch._vmap_internals' vmap, whose tensors carry the "Batched"
 # dispatch key (not functorch's FuncTorchBatched, which register_vmap serves). Its per-sample
@@ -213,6 +229,7 @@ def _legacy_batched(rule: Callable, *args: Any, **kwargs: Any) -> Any:
 
 
 _LIB = torch.library.Library("rmsnorm", "FRAGMENT")  # kept alive: a collected Library unregisters its kernels
-for _name, _rule in (("fwd", _fwd_vmap), ("bwd", _bwd_vmap), ("add_fwd", _add_fwd_vmap), ("add_bwd", _add_bwd_vmap)):
+for _name, _rule in (("fwd", _fwd_vmap), ("bwd", _bwd_vmap), ("add_fwd", _add_fwd_vmap), ("add_bwd", _add_bwd_vmap),
+                     ("norm_add_fwd", _norm_add_fwd_vmap)):
     torch.library.register_vmap(f"rmsnorm::{_name}", _rule, lib=_LIB)
     _LIB.impl(_name, functools.partial(_legacy_batched, _rule), "Batched")

@@ -114,10 +114,9 @@ def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype
 
 
 def check_add_args(x: Tensor, residual: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None) -> None:
+                   out_dtype: torch.dtype | None = None, op: str = "rmsnorm.add_fwd") -> None:
     """Validate ``rmsnorm::add_fwd(x, residual, weight, eps, ...)``: residual has x's shape and
     device and a real floating-point dtype (they are added as torch adds them, no broadcast)."""
-    op = "rmsnorm.add_fwd"
     check_forward_args(x, weight, norm_dtype, out_dtype, op)
     if residual.device != x.device:
         raise RMSNormInputError(f"{op}: residual must be on x's device (residual: {residual.device}, x: {x.device})")
@@ -126,19 +125,28 @@ def check_add_args(x: Tensor, residual: Tensor, weight: Tensor | None, norm_dtyp
     _check_real_float("residual", residual, op)
 
 
-def _check_weight(op: str, x: Tensor, weight: Tensor | None) -> None:
+def check_norm_add_args(x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,
+                        norm_dtype: torch.dtype | None = None) -> None:
+    """Validate ``rmsnorm::norm_add_fwd(x, residual, x_weight, x_eps, weight, eps, ...)``: the
+    rules of ``add_fwd`` for x, residual and weight, and ``x_weight`` a weight of x's."""
+    op = "rmsnorm.norm_add_fwd"
+    check_add_args(x, residual, weight, norm_dtype, op=op)
+    _check_weight(op, x, x_weight, "x_weight")
+
+
+def _check_weight(op: str, x: Tensor, weight: Tensor | None, name: str = "weight") -> None:
     if weight is None:
         return
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise RMSNormInputError(
-            f"{op}: weight must have shape [N] = [{x.shape[-1]}] (x's last dim), got {_shape(weight)}"
+            f"{op}: {name} must have shape [N] = [{x.shape[-1]}] (x's last dim), got {_shape(weight)}"
         )
     if weight.device != x.device:
         raise RMSNormInputError(
-            f"{op}: weight must be on the same device as x (weight: {weight.device}, x: {x.device})"
+            f"{op}: {name} must be on the same device as x ({name}: {weight.device}, x: {x.device})"
         )
     if weight.dtype.is_complex:
-        raise RMSNormDTypeError(f"{op}: weight must be real, got {weight.dtype}")
+        raise RMSNormDTypeError(f"{op}: {name} must be real, got {weight.dtype}")
 
 
 def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,

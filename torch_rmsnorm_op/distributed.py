@@ -1,4 +1,4 @@
-"""DTensor sharding rules for the four ``torch.ops.rmsnorm`` ops.
+"""DTensor sharding rules for the ``torch.ops.rmsnorm`` ops.
 
 The ops normalize each row over the last dim, so rows are independent: a DTensor sharded over
 any leading dim (``Shard(d)``, ``d`` < the last dim) or replicated runs the kernels on each
@@ -10,6 +10,8 @@ rank's local shard, and every output keeps the input's placement. The rules, per
     add_fwd   x, residual: P, weight: Replicate           y, residual_out, rstd: P
     add_bwd   dy, dresidual_out, residual_out, rstd: P,   dx: P, dweight: Partial if P shards rows
               weight: Replicate
+    norm_add_fwd  x, residual: P, x_weight, weight:       y, residual_out, rstd, x_rstd: P
+              Replicate
 
 with ``P`` one of ``Replicate()``, ``Shard(d)`` for ``d < x.ndim - 1``. With rows sharded, each
 rank's dweight sums its own rows only, hence ``Partial()`` (a sum over ranks); with ``P``
@@ -95,6 +97,12 @@ def _add_bwd_sharding(dy: Any, dresidual_out: Any, residual_out: Any, weight: An
     ]
 
 
+def _norm_add_fwd_sharding(x: Any, residual: Any, x_weight: Any, x_eps: float, weight: Any, eps: float,
+                           **kwargs: Any) -> list[tuple[list, list]]:
+    xw, w = _weight_placement(x_weight), _weight_placement(weight)
+    return [([p, p, p, p], [p, p, xw, None, w, None]) for p in _row_placements(x.ndim)]
+
+
 def register_sharding_rules() -> None:
     """Register the rules with DTensor (imports ``torch.distributed.tensor``). Idempotent;
     importing the package calls it when ``torch.distributed.tensor`` is or gets imported."""
@@ -106,7 +114,8 @@ def register_sharding_rules() -> None:
 
         ops = torch.ops.rmsnorm
         for op, rule in ((ops.fwd.default, _fwd_sharding), (ops.bwd.default, _bwd_sharding),
-                         (ops.add_fwd.default, _add_fwd_sharding), (ops.add_bwd.default, _add_bwd_sharding)):
+                         (ops.add_fwd.default, _add_fwd_sharding), (ops.add_bwd.default, _add_bwd_sharding),
+                         (ops.norm_add_fwd.default, _norm_add_fwd_sharding)):
             register_sharding(op)(rule)
         _registered = True
 

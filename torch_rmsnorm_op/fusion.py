@@ -229,6 +229,65 @@ def fuse_residual_adds(graph: Graph) -> int:
     return count
 
 
+def _is_add_norm(node: Node) -> bool:
+    add_fwd = torch.ops.rmsnorm.add_fwd
+    return node.op == "call_function" and node.target in (add_fwd, add_fwd.default)
+
+
+def _only_output(norm: Node) -> Node | None:
+    """The node of ``rmsnorm.fwd`` ``norm``'s y, when y is the only output anything reads and
+    one op reads it; else None."""
+    if not norm.users or not all(u.op == "call_function" and u.target is operator.getitem for u in norm.users):
+        return None
+    read = [u for u in norm.users if u.users]
+    if len(read) != 1 or read[0].args[1] != 0 or len(read[0].users) != 1:
+        return None
+    return read[0]
+
+
+def fuse_norm_add_norms(graph: Graph) -> int:
+    """Rewrite every ``y1 = rmsnorm.fwd(x) -> rmsnorm.add_fwd(residual, y1)`` in ``graph`` (a
+    norm whose output only the sum of a fused residual add reads: Gemma's norms after attention
+    and after the MLP, each followed by a norm of the sum) into ``rmsnorm.norm_add_fwd``, where
+    both norms have the same keywords and x's norm writes x's dtype; returns how many."""
+    count = 0
+    for add in list(graph.nodes):
+        if not _is_add_norm(add) or len(add.args) != 4 or add.kwargs.get("out_dtype") is not None:
+            continue
+        if not all(u.op == "call_function" and u.target is operator.getitem for u in add.users):
+            continue
+        for i in (0, 1):
+            y1, residual = add.args[i], add.args[1 - i]
+            norm = y1.args[0] if isinstance(y1, Node) and y1.target is operator.getitem else None
+            if (isinstance(norm, Node) and _is_norm(norm) and len(norm.args) == 3 and _only_output(norm) is y1
+                    and isinstance(residual, Node) and residual is not y1 and dict(norm.kwargs) == dict(add.kwargs)):
+                break
+        else:
+            continue
+        kwargs = {k: v for k, v in add.kwargs.items() if k != "out_dtype"}
+        args = (norm.args[0], residual, norm.args[1], norm.args[2], *add.args[2:])
+        fake = _fake_call(torch.ops.rmsnorm.norm_add_fwd.default, args, kwargs)
+        with graph.inserting_before(add):
+            fused = graph.call_function(torch.ops.rmsnorm.norm_add_fwd.default, args, kwargs)
+        if fake is not None:
+            fused.meta["example_value"] = fused.meta["val"] = fake
+        for user in list(add.users):
+            with graph.inserting_before(user):
+                out = graph.call_function(operator.getitem, (fused, user.args[1]))
+            if fake is not None:
+                out.meta["example_value"] = out.meta["val"] = fake[user.args[1]]
+            user.replace_all_uses_with(out)
+            graph.erase_node(user)
+        graph.erase_node(add)
+        for node in (*norm.users, norm):
+            graph.erase_node(node)
+        count += 1
+    if count:
+        graph.lint()
+        log.debug("fused %d norm -> residual add -> norm chain(s) into rmsnorm.norm_add_fwd", count)
+    return count
+
+
 # --- norms left to Inductor ----------------------------------------------------------------
 
 # Ops Inductor computes in the kernel that produces their input (a reduction's epilogue):
@@ -363,10 +422,10 @@ def decompose_epilogue_norms(graph: Graph) -> int:
 
 
 def rewrite_pre_grad(graph: Graph) -> int:
-    """The pre-grad stage: ``fuse_residual_adds`` (where on), then ``decompose_epilogue_norms``
-    (where on; after the first, so that a norm whose output feeds a fused add stays ours);
-    returns how many nodes were rewritten."""
-    count = fuse_residual_adds(graph) if residual_fusion_enabled() else 0
+    """The pre-grad stage: ``fuse_residual_adds`` and ``fuse_norm_add_norms`` (where the residual
+    rewrite is on), then ``decompose_epilogue_norms`` (where on; after the others, so that a
+    norm whose output feeds a fused add stays ours); returns how many nodes were rewritten."""
+    count = fuse_residual_adds(graph) + fuse_norm_add_norms(graph) if residual_fusion_enabled() else 0
     return count + (decompose_epilogue_norms(graph) if epilogue_decomposition_enabled() else 0)
 
 

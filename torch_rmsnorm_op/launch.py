@@ -137,6 +137,35 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
         plan.launcher = launcher
 
 
+def norm_add_fuses(plan: Plan, sum_plan: Plan) -> bool:
+    """Whether ``forward_norm_add`` runs x's norm (``plan``) and the sum's (``sum_plan``) in one
+    kernel: where both take the same single-pass configuration, which the fused kernel runs, so
+    that each norm adds its row's squares in the order its own kernel would."""
+    return plan.cfg == sum_plan.cfg and not plan.cfg.looped and plan.cfg.split == 1
+
+
+def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,
+                     x_eps: float, eps: float, y: Tensor, h: Tensor, rstd: Tensor | None, x_rstd: Tensor | None,
+                     traced: bool = False, kernels: ModuleType | None = None) -> None:
+    """Write ``h = residual + rmsnorm(x, x_weight, x_eps)`` and ``y = rmsnorm(h, weight, eps)``
+    (and both rstds unless None) in one launch of ``plan``'s configuration (``norm_add_fuses``).
+    ``x`` is addressed by ``plan.layout``; ``residual``, ``y`` and ``h`` have single-stride rows;
+    the weights are contiguous [N] or None."""
+    cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
+    if m == 0:
+        return
+    ptrs = [x, residual, x if x_weight is None else x_weight, x if weight is None else weight, y, h,
+            x if rstd is None else rstd, x if x_rstd is None else x_rstd]
+    strides = [*layout[1:], row_stride(residual), row_stride(y), row_stride(h)]
+    consts = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_X_WEIGHT=x_weight is not None,
+                  HAS_WEIGHT=weight is not None, LEAD_DIMS=layout.dims,
+                  UNMASKED=cfg.mask_free and exact_tiles(cfg, m, n), STORE_RSTD=rstd is not None,
+                  WEIGHT_OFFSET=plan.weight_offset, ROUND=plan.round_code)
+    k = kernels or _kernels()
+    _launch(k._rms_norm_fwd_norm_add_rows, (cdiv(m, cfg.rows),), [*ptrs, m, n, float(x_eps), float(eps), *strides],
+            consts, cfg.num_warps, x.device, traced)
+
+
 def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor, rstd: Tensor | None,
                    residual: Tensor | None = None, h: Tensor | None = None) -> bool:
     """``forward(plan, ...)`` through the launch the plan kept, when it applies: every pointer
@@ -322,8 +351,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         reduce_dweight(partial, dweight, mid, bound, traced, k)
 
 
-_KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split", "_rms_norm_bwd_rows",
-                 "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
+_KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_norm_add_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",
+                 "_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
 
 
 @functools.cache

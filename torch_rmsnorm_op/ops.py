@@ -8,13 +8,21 @@
         -> (Tensor y, Tensor residual_out, Tensor rstd)
     add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, Tensor rstd,
         *, float weight_offset=0.0) -> (Tensor dx, Tensor? dweight)
+    norm_add_fwd(Tensor x, Tensor residual, Tensor? x_weight, float x_eps, Tensor? weight,
+        float eps, *, float weight_offset=0.0, ScalarType? norm_dtype=None)
+        -> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)
 
 Per row of the last dim: ``rstd = 1 / sqrt(mean(x**2) + eps)``; ``y = round(x * rstd) *
 (weight + weight_offset)``, where ``round`` rounds to ``norm_dtype`` when it is given (Llama's
 cast back to the input dtype before the weight); ``y`` has ``out_dtype`` (default: x's dtype).
 ``add_fwd`` normalizes ``residual_out = x + residual`` (in their promoted dtype, as torch adds
 them) and returns it; ``add_bwd`` adds ``dresidual_out`` (the gradient that reached
-``residual_out``) into dx. ``y``, ``residual_out`` and ``dx`` are contiguous; ``rstd`` has shape
+``residual_out``) into dx. ``norm_add_fwd`` is ``fwd`` of x, in x's dtype, then ``add_fwd`` of
+the residual and that (Gemma's norm after attention, residual add and norm before the MLP):
+``residual_out = residual + rmsnorm(x, x_weight, x_eps)``, ``y, rstd = rmsnorm(residual_out,
+weight, eps)``, both norms with the same keywords, in one kernel where both norms take the same
+single-pass configuration and otherwise as the two ops, the same values either way; its
+gradient is theirs (``add_bwd`` then ``bwd``). ``y``, ``residual_out`` and ``dx`` are contiguous; ``rstd`` has shape
 ``x.shape[:-1]`` and the computation dtype (float32; float64 for float64 x); ``dweight`` has
 the weight's shape and dtype.
 
@@ -44,7 +52,7 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat, dispatch, reference
-from torch_rmsnorm_op.contract import check_add_args, check_backward_args, check_forward_args
+from torch_rmsnorm_op.contract import check_add_args, check_backward_args, check_forward_args, check_norm_add_args
 from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 from torch_rmsnorm_op.layout import row_stride
 
@@ -66,6 +74,9 @@ _LIB.define(f"add_fwd(Tensor x, Tensor residual, Tensor? weight, float eps, {_FW
             "-> (Tensor y, Tensor residual_out, Tensor rstd)")
 _LIB.define("add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, Tensor rstd, *, "
             "float weight_offset=0.0) -> (Tensor dx, Tensor? dweight)")
+_LIB.define("norm_add_fwd(Tensor x, Tensor residual, Tensor? x_weight, float x_eps, Tensor? weight, float eps, *, "
+            "float weight_offset=0.0, ScalarType? norm_dtype=None) "
+            "-> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)")
 
 
 def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
@@ -101,6 +112,46 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
     if traced or plan.launcher is None or not _launch().replay_forward(plan, x, w, eps, y, rstd, residual, h):
         _launch().forward(plan, x, w, eps, y, rstd, residual, h, traced=traced)
     return y, h, rstd
+
+
+def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight: Tensor | None,
+                     eps: float, weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None,
+                     traced: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``rmsnorm::norm_add_fwd`` on arguments that meet its contract: ``(y, residual_out, rstd,
+    x_rstd)``. The kernels serve it where they serve both norms (x's as ``fwd`` would, the
+    sum's as ``add_fwd(residual, x's norm)`` would): in one launch where both plans take the same
+    single-pass configuration (``launch.norm_add_fuses``), else in those two ops' launches."""
+    op = "rmsnorm.norm_add_fwd"
+    if row_stride(residual) is None:
+        residual = residual.contiguous()
+    n = x.shape[-1]
+    keywords = dict(norm_dtype=norm_dtype, weight_offset=weight_offset)
+    plan = sum_plan = "N = 0"
+    if n > 0:
+        plan = dispatch.forward_plan(x, x_weight, **keywords)
+        sum_plan = dispatch.forward_plan(residual, weight, x, **keywords)  # x's norm has x's dtype
+        reason = plan if type(plan) is str else sum_plan if type(sum_plan) is str else None
+        if reason is not None:
+            record_fallback(op, reason, compiled=traced)
+        else:
+            record_kernel(op, compiled=traced)
+    if type(plan) is str or type(sum_plan) is str:  # a fallback, or nothing to normalize
+        with _fallback_region(op, traced) if n > 0 else contextlib.nullcontext():
+            return reference.norm_add_rms_norm_forward(x, residual, x_weight, x_eps, weight, eps, weight_offset,
+                                                       norm_dtype)
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    y, h = (torch.empty(x.shape, dtype=sum_dtype, device=x.device) for _ in range(2))
+    rstd, x_rstd = (torch.empty(x.shape[:-1], dtype=reference.computation_dtype(t), device=x.device)
+                    for t in (sum_dtype, x.dtype))
+    x_weight = None if x_weight is None else x_weight.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    if _launch().norm_add_fuses(plan, sum_plan):
+        _launch().forward_norm_add(plan, x, residual, x_weight, weight, x_eps, eps, y, h, rstd, x_rstd, traced=traced)
+    else:
+        x_normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _launch().forward(plan, x, x_weight, x_eps, x_normed, x_rstd, traced=traced)
+        _launch().forward(sum_plan, residual, weight, eps, y, rstd, x_normed, h, traced=traced)
+    return y, h, rstd, x_rstd
 
 
 def _reference_forward(op: str, x: Tensor, weight: Tensor | None, eps: float, weight_offset: float,
@@ -179,7 +230,14 @@ def _add_bwd(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, wei
     return backward(dy, residual_out, weight, rstd, weight_offset, dresidual_out, add=True, traced=traced)
 
 
-_IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd}
+def _norm_add_fwd(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight: Tensor | None,
+                  eps: float, *, weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None,
+                  traced: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_norm_add_args(x, residual, x_weight, weight, norm_dtype)
+    return forward_norm_add(x, residual, x_weight, x_eps, weight, eps, weight_offset, norm_dtype, traced=traced)
+
+
+_IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd, "norm_add_fwd": _norm_add_fwd}
 for _name, _impl in _IMPLS.items():
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 
@@ -219,10 +277,21 @@ def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Te
     return residual_out.new_empty(residual_out.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
+@torch.library.register_fake("rmsnorm::norm_add_fwd", lib=_LIB)
+def _(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight: Tensor | None, eps: float, *,
+      weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    check_norm_add_args(x, residual, x_weight, weight, norm_dtype)
+    _launch().register_kernels_for_cache_key("rmsnorm::norm_add_fwd")  # before AOTAutograd keys its cache
+    sum_dtype = torch.promote_types(x.dtype, residual.dtype)
+    return (x.new_empty(x.shape, dtype=sum_dtype), x.new_empty(x.shape, dtype=sum_dtype),
+            x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype)),
+            x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)))
+
+
 # --- compiled graphs: decomposition into the kernels' launches ---------------------------------
 
 # Where each op's x (the tensor whose device decides) sits in its arguments.
-_X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2}
+_X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2, "norm_add_fwd": 0}
 _PLAIN_TYPES = (Tensor, torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
 
@@ -335,6 +404,50 @@ def _add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: 
 torch.library.register_autograd("rmsnorm::add_fwd", _add_backward, setup_context=_add_setup_context, lib=_LIB)
 
 
+def _norm_add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
+    x, residual, x_weight, x_eps, weight, eps = inputs
+    _, residual_out, rstd, x_rstd = output
+    ctx.mark_non_differentiable(rstd, x_rstd)
+    ctx.set_materialize_grads(False)
+    ctx.eps, ctx.x_eps = eps, x_eps
+    ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
+    ctx.residual_dtype = residual.dtype
+    ctx.save_for_backward(x, x_weight, x_rstd, residual_out, weight, rstd)
+
+
+def _norm_add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None,
+                       _dx_rstd: Tensor | None):
+    """The gradients of ``add_fwd`` (the sum's) and then of ``fwd`` (x's norm): the ops'
+    backward ops, one after the other."""
+    x, x_weight, x_rstd, residual_out, weight, rstd = ctx.saved_tensors
+    need_x, need_r, need_xw, _, need_w, _ = ctx.needs_input_grad
+    dweight = dx = dx_weight = None
+    if dy is None:
+        dsum = dresidual_out
+    elif _double_backward("rmsnorm.add_bwd"):
+        rstd = reference.rms_norm_forward(residual_out, None, ctx.eps)[1]
+        dsum, dweight = reference.add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd,
+                                                        ctx.weight_offset)
+    else:
+        dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dresidual_out, residual_out, weight, rstd,
+                                                  weight_offset=ctx.weight_offset)
+    if dsum is None:
+        return None, None, None, None, None, None
+    if need_x or need_xw:
+        dnormed = dsum.to(x.dtype)  # the gradient of x's norm, which has x's dtype
+        if _double_backward("rmsnorm.bwd"):
+            x_rstd = reference.rms_norm_forward(x, None, ctx.x_eps)[1]
+            dx, dx_weight = reference.rms_norm_backward(dnormed, x, x_weight, x_rstd, ctx.weight_offset)
+        else:
+            dx, dx_weight = torch.ops.rmsnorm.bwd(dnormed, x, x_weight, x_rstd, weight_offset=ctx.weight_offset)
+    return ((dx if need_x else None), (dsum.to(ctx.residual_dtype) if need_r else None),
+            (dx_weight if need_xw else None), None, (dweight if need_w else None), None)
+
+
+torch.library.register_autograd("rmsnorm::norm_add_fwd", _norm_add_backward, setup_context=_norm_add_setup_context,
+                                lib=_LIB)
+
+
 # --- autocast --------------------------------------------------------------------------
 
 
@@ -343,5 +456,5 @@ torch.library.register_autograd("rmsnorm::add_fwd", _add_backward, setup_context
 # fp32 there, so the forward ops do the same; elsewhere inputs pass through as they are.
 for _device, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
     if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", _key):
-        for _op in ("rmsnorm::fwd", "rmsnorm::add_fwd"):
+        for _op in ("rmsnorm::fwd", "rmsnorm::add_fwd", "rmsnorm::norm_add_fwd"):
             torch.library.register_autocast(_op, _device, torch.float32, lib=_LIB)

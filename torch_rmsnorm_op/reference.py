@@ -104,6 +104,18 @@ def add_rms_norm_forward(
     return y, residual_out, rstd
 
 
+def norm_add_rms_norm_forward(
+    x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight: Tensor | None, eps: float,
+    weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, residual_out, rstd, x_rstd)``: ``residual_out = residual + rmsnorm(x, x_weight,
+    x_eps)`` (x's norm in x's dtype) and ``y, rstd = rms_norm_forward(residual_out, weight, eps)``,
+    both norms with ``weight_offset`` and ``norm_dtype``."""
+    x_normed, x_rstd = rms_norm_forward(x, x_weight, x_eps, weight_offset, norm_dtype)
+    y, residual_out, rstd = add_rms_norm_forward(residual, x_normed, weight, eps, weight_offset, norm_dtype)
+    return y, residual_out, rstd, x_rstd
+
+
 def add_rms_norm_backward(
     dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor,
     weight_offset: float = 0.0,

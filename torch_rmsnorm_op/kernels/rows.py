@@ -2,9 +2,12 @@
 
 Forward: a program holds ``ROWS`` rows of ``BLOCK_N >= N`` columns in registers and reads x
 once; several rows per program for small N. Without masks (``UNMASKED``) where the tiles cover
-x exactly. Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile
-at a time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is
-groups x N, never M x N; ``reduce.py`` sums the partials in a fixed order).
+x exactly. The norm-add forward normalizes x, adds the result to the residual and normalizes
+the sum, all in registers: x and the residual read once, the sum and y written once.
+
+Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile at a
+time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is groups x
+N, never M x N; ``reduce.py`` sums the partials in a fixed order).
 """
 
 import triton
@@ -83,6 +86,71 @@ def _rms_norm_fwd_rows(
     tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _rms_norm_fwd_norm_add_rows(
+    X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
+    R,  # residual [M, N], row stride r_stride
+    XW,  # x's weight [N] (read if HAS_X_WEIGHT)
+    W,  # weight [N] of the sum's norm (read if HAS_WEIGHT)
+    Y,  # output [M, N], row stride y_stride
+    H,  # output residual + rmsnorm(x) [M, N], row stride h_stride
+    RSTD,  # output [M] fp32, the sum's (written if STORE_RSTD)
+    X_RSTD,  # output [M] fp32, x's (written if STORE_RSTD)
+    M,
+    N,
+    x_eps,
+    eps,
+    x_size1,
+    x_size2,
+    x_stride0,
+    x_stride1,
+    x_stride2,
+    r_stride,
+    y_stride,
+    h_stride,
+    BLOCK_N: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_X_WEIGHT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    LEAD_DIMS: tl.constexpr,
+    UNMASKED: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,  # both weights scale as w + WEIGHT_OFFSET
+    ROUND: tl.constexpr,  # both norms round x * rstd so before their weight
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if UNMASKED:
+        row_mask, col_mask, mask, other = None, None, None, None
+    else:
+        row_mask, col_mask, other = rows < M, cols < N, 0.0
+        mask = row_mask[:, None] & col_mask[None, :]
+    x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
+    x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
+    r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
+    # x's norm, rounded to x's dtype as the op without a residual writes it
+    x_normed_ty = x.dtype
+    x = x.to(tl.float32)
+    x_rstd = _rstd(tl.sum(x * x, axis=1), N, x_eps)
+    xw = 0.0
+    if HAS_X_WEIGHT:
+        xw = _weight(tl.load(XW + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    x_normed = _scale(x, x_rstd[:, None], xw, HAS_X_WEIGHT, ROUND).to(x_normed_ty)
+    # then the op with a residual on (residual, x_normed)
+    h = _residual_sum(x_normed, r, H.dtype.element_ty)
+    tl.store(H + rows[:, None] * h_stride + cols[None, :], h, mask=mask)
+    h = h.to(tl.float32)
+    rstd = _rstd(tl.sum(h * h, axis=1), N, eps)
+    w = 0.0
+    if HAS_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    y = _scale(h, rstd[:, None], w, HAS_WEIGHT, ROUND)
+    tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        tl.store(X_RSTD + rows, x_rstd, mask=row_mask)
 
 
 @triton.jit
