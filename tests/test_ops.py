@@ -737,36 +737,46 @@ def test_forward_rungs_of_hidden_sizes_that_are_not_powers_of_two(device, n):
     assert dispatch.forward_plan(x[:1].expand(2049, n), w).cfg.looped == (n != 1536)
 
 
-def _norm_add_inputs(device, mode, r_dtype=torch.bfloat16, weights=True):
-    x, w = _sample(device, torch.bfloat16, weights, "transposed" if mode == "split" else "strided", True)
+def _norm_add_inputs(device, r_dtype=torch.bfloat16, weights=True, layout="contiguous"):
+    x, w = _sample(device, torch.bfloat16, weights, layout, True)
     r = torch.randn(x.shape, device=device, dtype=r_dtype, requires_grad=True)
     w2 = None if w is None else (torch.rand_like(w) + 0.5).requires_grad_()
     return x, r, w, w2
 
 
+def _norm_add_fuses(x, r, w, w2):
+    return launch.norm_add_fuses(dispatch.forward_plan(x, w), dispatch.forward_plan(r, w2, x), x, r)
+
+
 @pytest.mark.parametrize("mode", ["table", "rows", "looped"], indirect=True)
 def test_opcheck_norm_add(device, mode):
-    """``norm_add_fwd``: one kernel where both norms take the same single-pass configuration
-    (the table's at this N for a bf16 sum, "rows"), the two ops' launches elsewhere (an fp32 sum,
-    looped; split mode takes the same path); Gemma's weight offset."""
-    for r_dtype in ((torch.bfloat16, torch.float32) if mode == "table" else (torch.bfloat16,)):
-        x, r, w, w2 = _norm_add_inputs(device, mode, r_dtype)
+    """``norm_add_fwd``: one kernel where both norms take the same single-pass configuration and
+    the rows are contiguous (the table's at this N for a bf16 sum, "rows"), the two ops' launches
+    elsewhere (strided rows, an fp32 sum, looped; split mode takes the same path); Gemma's weight
+    offset."""
+    cases = [(torch.bfloat16, "contiguous")]
+    if mode == "table":
+        cases += [(torch.bfloat16, "strided"), (torch.float32, "contiguous")]
+    fuses = []
+    for r_dtype, layout in cases:
+        x, r, w, w2 = _norm_add_inputs(device, r_dtype, layout=layout)
         torch.library.opcheck(torch.ops.rmsnorm.norm_add_fwd, (x, r, w, 1e-6, w2, 1e-5), {"weight_offset": 1.0})
+        fuses.append(_norm_add_fuses(x, r, w, w2))
+    assert fuses == {"table": [True, False, False], "rows": [True], "looped": [False]}[mode]
     assert T.dispatch_stats()["kernel"].get("rmsnorm.norm_add_fwd", 0) > 0
     assert "rmsnorm.fwd" not in T.dispatch_stats()["kernel"]
     assert T.dispatch_stats()["fallback"] == {}
-    # an fp32 sum takes the fp32 table: two launches (fused, at this N, with a bf16 residual)
-    fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w), dispatch.forward_plan(r, w2, x))
-    assert fuses == (mode == "rows")
 
 
-@pytest.mark.parametrize("mode,kw,weights", [
-    ("table", {}, True), ("table", {"weight_offset": 1.0}, True), ("table", {"norm_dtype": torch.bfloat16}, True),
-    ("table", {}, False), ("rows", {}, True), ("looped", {"weight_offset": 1.0}, True)], indirect=["mode"])
-def test_norm_add_is_the_two_ops_bit_for_bit(device, mode, kw, weights):
+@pytest.mark.parametrize("mode,kw,weights,layout", [
+    ("table", {}, True, "contiguous"), ("table", {"weight_offset": 1.0}, True, "contiguous"),
+    ("table", {"norm_dtype": torch.bfloat16}, True, "contiguous"), ("table", {}, False, "contiguous"),
+    ("table", {"norm_dtype": torch.bfloat16}, True, "strided"), ("rows", {}, True, "contiguous"),
+    ("looped", {"weight_offset": 1.0}, True, "contiguous")], indirect=["mode"])
+def test_norm_add_is_the_two_ops_bit_for_bit(device, mode, kw, weights, layout):
     """``norm_add_fwd(x, r, ...)`` against ``fwd(x)`` then ``add_fwd(r, that)``, the graph it
     replaces: the same y, sum and rstds, and the same gradients of x, r and both weights."""
-    x, r, w, w2 = _norm_add_inputs(device, mode, weights=weights)
+    x, r, w, w2 = _norm_add_inputs(device, weights=weights, layout=layout)
     y, h, rstd, x_rstd = torch.ops.rmsnorm.norm_add_fwd(x, r, w, 1e-6, w2, 1e-5, **kw)
     y1, x_rstd1 = torch.ops.rmsnorm.fwd(x, w, 1e-6, **kw)
     want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-5, **kw), x_rstd1)
@@ -786,16 +796,21 @@ def test_norm_add_is_the_two_ops_bit_for_bit(device, mode, kw, weights):
 def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configuration(device):
     """``launch.norm_add_fuses`` on the table's plans: N = 2,048 and 5,120 up to 1,024 rows
     (the few-rows rungs, single-pass with and without a residual), not 5,120 at 2,048 rows
-    (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both)."""
+    (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both); nor
+    rows that are not contiguous, nor a tensor that does not start 16-byte aligned."""
     bf16 = torch.bfloat16
 
     def fuses(m, n):
         x, r = (torch.empty(m, n, dtype=bf16, device=device) for _ in range(2))
         w = torch.ones(n, dtype=bf16, device=device)
-        return launch.norm_add_fuses(dispatch.forward_plan(x, w), dispatch.forward_plan(r, w, x))
+        return _norm_add_fuses(x, r, w, w)
 
     assert [fuses(m, n) for m, n in ((2048, 2048), (1024, 5120), (2048, 5120), (8192, 4096))] == [
         True, True, False, False]
+    x, r = (torch.empty(2048, 2049, dtype=bf16, device=device) for _ in range(2))
+    w = torch.ones(2048, dtype=bf16, device=device)
+    assert not _norm_add_fuses(x[:, 1:], r[:, 1:], w, w)  # rows 2,049 apart
+    assert not _norm_add_fuses(x.view(-1)[1:2048 * 2048 + 1].view(2048, 2048), r[:, :2048].contiguous(), w, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -848,5 +863,4 @@ def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n):
     want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-6, weight_offset=1.0), x_rstd)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w1), dispatch.forward_plan(r, w2, x))
-    assert fuses == ((m, n) != (2048, 5120))
+    assert _norm_add_fuses(x, r, w1, w2) == ((m, n) != (2048, 5120))

@@ -1,9 +1,11 @@
 """The compile-time rewrites that fuse the ops around a norm with it.
 
-Three rewrites, all on by default for models patched with ``patch_rmsnorm`` and compiled with
+Four rewrites, all on by default for models patched with ``patch_rmsnorm`` and compiled with
 Inductor:
 
 - the residual add before a norm, into its forward (``fuse_residual_adds``, below);
+- a norm whose output only such a fused add reads, into it (``fuse_norm_add_norms``: Gemma's
+  norms around each residual add);
 - a norm whose output only elementwise ops read, or whose input is the embeddings, left to
   Inductor, which fuses it with them (``decompose_epilogue_norms``);
 - the sum of the gradients that reach a norm's output, into its backward
@@ -31,6 +33,18 @@ of squares is added in another order: there y may differ in its last place.
 
 The pass runs as Inductor's ``pre_grad_custom_pass``. Turn it off with
 ``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``.
+
+**Norms around a residual add.** Gemma 2 and 3 normalize the attention's output, add it to the
+residual stream and normalize the sum for the MLP (``post_attention_layernorm``, ``+ residual``,
+``pre_feedforward_layernorm``; the same after the MLP into the next layer's input norm, and
+OLMo 2's last MLP norm into the final norm). After the residual rewrite that is ``y1 =
+rmsnorm.fwd(x)`` read only by ``rmsnorm.add_fwd(residual, y1)``: two kernels and six passes over
+M x N, where stock Inductor's one kernel makes four. ``fuse_norm_add_norms`` puts
+``rmsnorm.norm_add_fwd(x, residual, ...)`` in their place, which reads x and the residual once
+and writes the sum and the output, where y1 is read by nothing else and both norms have the same
+keywords, with no output dtype. The op computes the two ops' values: one kernel where that
+holds bit for bit (``launch.norm_add_fuses``), the two ops' launches elsewhere; its gradient is
+the two ops' backward ops, one after the other. The residual rewrite's switch turns it off too.
 
 **Norms left to Inductor.** Qwen3's (and Gemma3's, OLMo2's) q/k norms feed RoPE, a chain of
 elementwise ops that Inductor computes in the kernel of the reduction before it: stock Inductor

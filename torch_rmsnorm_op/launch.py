@@ -137,11 +137,22 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
         plan.launcher = launcher
 
 
-def norm_add_fuses(plan: Plan, sum_plan: Plan) -> bool:
+def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> bool:
     """Whether ``forward_norm_add`` runs x's norm (``plan``) and the sum's (``sum_plan``) in one
-    kernel: where both take the same single-pass configuration, which the fused kernel runs, so
-    that each norm adds its row's squares in the order its own kernel would."""
-    return plan.cfg == sum_plan.cfg and not plan.cfg.looped and plan.cfg.split == 1
+    kernel, where it adds each row's squares in the order the two ops' kernels would: both
+    plans take the same single-pass configuration, which the fused kernel runs, and x and the
+    residual have contiguous rows starting 16-byte aligned (as the sum the first op writes
+    does), so that Triton lays out their loads, and the reductions over them, as it does in
+    the two kernels (on CUDA, x's rows at a stride of 40 elements beside a contiguous residual's
+    of 33 gave another y than the two ops). A tensor traced for a compiled graph counts as aligned, as Inductor
+    assumes its buffers are."""
+    cfg = plan.cfg
+    if cfg != sum_plan.cfg or cfg.looped or cfg.split > 1:
+        return False
+    contiguous = (1, 1, 1, plan.n, 0, 0)
+    if tuple(plan.layout) != contiguous or tuple(sum_plan.layout) != contiguous:
+        return False
+    return all(type(t) not in (Tensor, torch.nn.Parameter) or t.data_ptr() & 15 == 0 for t in (x, residual))
 
 
 def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,

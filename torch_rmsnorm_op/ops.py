@@ -119,8 +119,8 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
                      traced: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``rmsnorm::norm_add_fwd`` on arguments that meet its contract: ``(y, residual_out, rstd,
     x_rstd)``. The kernels serve it where they serve both norms (x's as ``fwd`` would, the
-    sum's as ``add_fwd(residual, x's norm)`` would): in one launch where both plans take the same
-    single-pass configuration (``launch.norm_add_fuses``), else in those two ops' launches."""
+    sum's as ``add_fwd(residual, x's norm)`` would): in one launch where that gives the two ops'
+    values (``launch.norm_add_fuses``), else in those two ops' launches."""
     op = "rmsnorm.norm_add_fwd"
     if row_stride(residual) is None:
         residual = residual.contiguous()
@@ -145,7 +145,7 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
                     for t in (sum_dtype, x.dtype))
     x_weight = None if x_weight is None else x_weight.contiguous()
     weight = None if weight is None else weight.contiguous()
-    if _launch().norm_add_fuses(plan, sum_plan):
+    if _launch().norm_add_fuses(plan, sum_plan, x, residual):
         _launch().forward_norm_add(plan, x, residual, x_weight, weight, x_eps, eps, y, h, rstd, x_rstd, traced=traced)
     else:
         x_normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
