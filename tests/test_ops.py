@@ -797,7 +797,8 @@ def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configura
     """``launch.norm_add_fuses`` on the table's plans: N = 2,048 and 5,120 up to 1,024 rows
     (the few-rows rungs, single-pass with and without a residual), not 5,120 at 2,048 rows
     (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both); nor
-    rows that are not contiguous, nor a tensor that does not start 16-byte aligned."""
+    rows that are not contiguous, nor a tensor that does not start 16-byte aligned, nor a norm
+    rounded before its weight, nor fp32 rows."""
     bf16 = torch.bfloat16
 
     def fuses(m, n):
@@ -811,6 +812,13 @@ def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configura
     w = torch.ones(2048, dtype=bf16, device=device)
     assert not _norm_add_fuses(x[:, 1:], r[:, 1:], w, w)  # rows 2,049 apart
     assert not _norm_add_fuses(x.view(-1)[1:2048 * 2048 + 1].view(2048, 2048), r[:, :2048].contiguous(), w, w)
+    x, r = (torch.empty(16, 2048, dtype=bf16, device=device) for _ in range(2))
+    assert _norm_add_fuses(x, r, w, w)
+    # rounded before the weight, or fp32: the norm's multiply and the add could contract
+    assert not launch.norm_add_fuses(dispatch.forward_plan(x, w, norm_dtype=bf16),
+                                     dispatch.forward_plan(r, w, x, norm_dtype=bf16), x, r)
+    x, r = x.float(), r.float()
+    assert not _norm_add_fuses(x, r, w.float(), w.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

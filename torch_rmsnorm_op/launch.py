@@ -139,15 +139,24 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
 
 def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> bool:
     """Whether ``forward_norm_add`` runs x's norm (``plan``) and the sum's (``sum_plan``) in one
-    kernel, where it adds each row's squares in the order the two ops' kernels would: both
-    plans take the same single-pass configuration, which the fused kernel runs, and x and the
-    residual have contiguous rows starting 16-byte aligned (as the sum the first op writes
-    does), so that Triton lays out their loads, and the reductions over them, as it does in
-    the two kernels (on CUDA, x's rows at a stride of 40 elements beside a contiguous residual's
-    of 33 gave another y than the two ops). A tensor traced for a compiled graph counts as aligned, as Inductor
-    assumes its buffers are."""
+    kernel, where that gives the two ops' bits:
+
+    - both plans take the same single-pass configuration, which the fused kernel runs, and x
+      and the residual have contiguous rows starting 16-byte aligned (as the norm the first op
+      writes does), so that Triton lays out their loads, and the sums of squares over them, as
+      in the two kernels (on CUDA, x's rows 40 elements apart beside a contiguous residual's
+      33 gave another y);
+    - x's norm is rounded to x's 2-byte dtype only after its weight (no ``norm_dtype``): the
+      rounding then separates the norm's last multiply from the add. With ``norm_dtype`` the
+      compiler multiplies and adds in one fused multiply-add where the two kernels round the
+      product first (on CUDA, bf16: a quarter of the sums differed in their last place); fp32
+      x leaves the product unrounded, so the same contraction is free to happen.
+
+    A tensor traced for a compiled graph counts as aligned, as Inductor assumes its buffers are."""
     cfg = plan.cfg
     if cfg != sum_plan.cfg or cfg.looped or cfg.split > 1:
+        return False
+    if x.dtype.itemsize != 2 or plan.round_code != 0:
         return False
     contiguous = (1, 1, 1, plan.n, 0, 0)
     if tuple(plan.layout) != contiguous or tuple(sum_plan.layout) != contiguous:
