@@ -83,8 +83,11 @@ What each number is:
   ``4·M·N·e``. ``e`` is the activation's element size; weights, rstd and
   dweight are not counted. The final norm's sum feeds nothing else (a kernel
   could skip writing it, and no gradient arrives at it); it is counted like
-  the other residual sites all the same, as the floor is defined. ``norm_floor_bytes_without_adds`` counts every site
-  as plain. ``norm_pct_of_copy`` (and ``..._without_adds``) is that floor over
+  the other residual sites all the same, as the floor is defined; so are Gemma 3's
+  norms before a residual add and the norm after it, which the patched graph runs as one op
+  (``rmsnorm::norm_add_fwd``, 4 passes where the two sites count 6 forward).
+  ``norm_floor_bytes_without_adds`` counts every site as plain. ``norm_pct_of_copy``
+  (and ``..._without_adds``) is that floor over
   ``norm_us`` over the copy ceiling ``copy_GBs`` (a 2 GiB bf16
   device-to-device copy, read + write counted, measured in the same run as
   ``tools/benchmark.py`` does): the first is meaningful for kernels that do
