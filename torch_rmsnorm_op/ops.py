@@ -20,10 +20,10 @@ them) and returns it; ``add_bwd`` adds ``dresidual_out`` (the gradient that reac
 ``residual_out``) into dx. ``norm_add_fwd`` is ``fwd`` of x, in x's dtype, then ``add_fwd`` of
 the residual and that (Gemma's norm after attention, residual add and norm before the MLP):
 ``residual_out = residual + rmsnorm(x, x_weight, x_eps)``, ``y, rstd = rmsnorm(residual_out,
-weight, eps)``, both norms with the same keywords, in one kernel where both norms take the same
-single-pass configuration and otherwise as the two ops, the same values either way; its
-gradient is theirs (``add_bwd`` then ``bwd``). ``y``, ``residual_out`` and ``dx`` are contiguous; ``rstd`` has shape
-``x.shape[:-1]`` and the computation dtype (float32; float64 for float64 x); ``dweight`` has
+weight, eps)``, both norms with the same keywords; the two ops' values, bit for bit, in one
+kernel where that holds (``launch.norm_add_fuses``), else in their two launches; its gradient
+is theirs (``add_bwd`` then ``bwd``). ``y``, ``residual_out`` and ``dx`` are contiguous;
+``rstd`` has shape ``x.shape[:-1]`` and the computation dtype (float32; float64 for float64 x); ``dweight`` has
 the weight's shape and dtype.
 
 Registration (``torch.library``): ``Library.define`` + ``impl`` for the implementations (an
