@@ -161,6 +161,41 @@ def test_what_is_rewritten(name, f, fused):
     torch.testing.assert_close(got, want)
 
 
+class _ResidualNorm(torch.nn.Module):
+    """A norm of a residual sum whose eps is a module attribute, as the Hugging Face norms keep it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(8) + 0.5)
+        self.eps = 1e-6
+
+    def forward(self, a, b):
+        return T.rms_norm(a + b, (8,), self.weight, self.eps)
+
+
+def test_a_graph_with_dynamic_shapes_fuses_its_residual_adds():
+    """Compiled with ``dynamic=True``, Dynamo computes the eps after the add, right before the
+    norm (``item()`` of a tensor, then ``sym_float``): the rewrite moves those scalars up before
+    the add, where the fused op stands, and the graph computes what it did."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append((gm, inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    module = _ResidualNorm()
+    torch.compile(module, backend=backend, fullgraph=True, dynamic=True)(torch.randn(4, 8), torch.randn(4, 8))
+    gm, inputs = graphs[0]
+    order = [n.target for n in gm.graph.nodes]
+    assert order.index(torch.sym_float) > order.index(operator.add), "the eps is no longer computed after the add"
+    want = gm(*inputs)
+    assert fusion.fuse_residual_adds(gm.graph) == 1
+    gm.recompile()
+    assert torch.ops.rmsnorm.add_fwd.default in [n.target for n in gm.graph.nodes]
+    torch.testing.assert_close(gm(*inputs), want)
+
+
 def _rope(q, cos, sin):
     half = q.shape[-1] // 2
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin

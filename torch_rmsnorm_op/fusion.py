@@ -25,7 +25,8 @@ the sum's own gradient into dx. Model code stays as it is.
 
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
-whose result feeds the norm directly. The fused op computes the sum as torch does (in fp32,
+whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
+a float eps under dynamic shapes, moves up before the add). The fused op computes the sum as torch does (in fp32,
 rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it with
 the unfused op's kernel configuration, so y is too, except at N where the table keeps a rung
 for the forward without a residual (``plain`` in ``config.FWD_LADDER``: N = 5,120), whose sum
@@ -180,17 +181,48 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
-def _fusable(add: Node, norm: Node, order: dict[Node, int]) -> bool:
+def _fusable(add: Node) -> bool:
+    """An out-of-place add of two tensors of one shape and device, in fp16/bf16/fp32."""
     a, b = (_value(n) for n in add.args)
     s = _value(add)
     if not all(isinstance(t, torch.Tensor) for t in (a, b, s)):
         return False
     if not (_same_shape(a, b) and _same_shape(a, s)) or a.device != b.device:
         return False
-    if a.dtype not in _FUSABLE_DTYPES or b.dtype not in _FUSABLE_DTYPES:
+    return a.dtype in _FUSABLE_DTYPES and b.dtype in _FUSABLE_DTYPES
+
+
+_SCALARS = (torch.SymFloat, torch.SymInt, torch.SymBool, float, int, bool)
+
+
+def _scalars_to_hoist(node: Node, add: Node, order: dict[Node, int], found: list[Node]) -> bool:
+    """Whether ``node`` exists where ``add`` stands, or is a scalar computed after it from
+    nodes that do (or are such scalars themselves): those are appended to ``found``, each after
+    its inputs."""
+    if order[node] < order[add]:
+        return True
+    if node is add or node.op not in ("call_function", "call_method") or not isinstance(_value(node), _SCALARS):
         return False
-    # The fused op stands where the add stood: the norm's other inputs must exist by then.
-    return all(order[n] < order[add] for n in norm.all_input_nodes if n is not add)
+    if not all(_scalars_to_hoist(i, add, order, found) for i in node.all_input_nodes):
+        return False
+    if node not in found:
+        found.append(node)
+    return True
+
+
+def _inputs_before(add: Node, norm: Node, order: dict[Node, int]) -> bool:
+    """Whether the norm's inputs other than the add exist where the add stands (the fused op
+    stands there), once the scalars computed between the two from inputs that exist by then
+    are moved up before the add: under dynamic shapes Dynamo computes a float eps right before
+    the norm (``sym_float``, of a tensor attribute's ``item()``). Moves them where it returns
+    True."""
+    found: list[Node] = []
+    if not all(_scalars_to_hoist(n, add, order, found) for n in norm.all_input_nodes if n is not add):
+        return False
+    for i, node in enumerate(found):
+        add.prepend(node)
+        order[node] = order[add] - (len(found) - i) / 1024  # just before the add, in their order
+    return True
 
 
 def _fake_call(target, args: tuple, kwargs: dict):
@@ -213,7 +245,7 @@ def fuse_residual_adds(graph: Graph) -> int:
         if not _is_norm(norm) or not norm.args or not isinstance(norm.args[0], Node):
             continue
         add = norm.args[0]
-        if not _is_add(add) or not _fusable(add, norm, order):
+        if not _is_add(add) or not _fusable(add) or not _inputs_before(add, norm, order):
             continue
         args = (*add.args, *norm.args[1:])
         fake = _fake_call(torch.ops.rmsnorm.add_fwd.default, args, norm.kwargs)
