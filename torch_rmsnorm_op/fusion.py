@@ -26,11 +26,12 @@ the sum's own gradient into dx. Model code stays as it is.
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
 whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
-a float eps under dynamic shapes, moves up before the add). The fused op computes the sum as torch does (in fp32,
-rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it with
-the unfused op's kernel configuration, so y is too, except at N where the table keeps a rung
-for the forward without a residual (``plain`` in ``config.FWD_LADDER``: N = 5,120), whose sum
-of squares is added in another order: there y may differ in its last place.
+a float eps under dynamic shapes, moves up before the add). The fused op computes the sum as
+torch does (in fp32, rounded to the promoted dtype), so the sum is the same bits either way,
+and normalizes it with the unfused op's kernel configuration, so y is too, except at N where
+the table keeps a rung for the forward without a residual (``plain`` in ``config.FWD_LADDER``:
+N = 5,120), whose sum of squares is added in another order: there y may differ in its last
+place.
 
 The pass runs as Inductor's ``pre_grad_custom_pass``. Turn it off with
 ``set_residual_fusion(False)`` or ``TORCH_RMSNORM_OP_FUSE_ADD=0``.
