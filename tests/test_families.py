@@ -153,11 +153,12 @@ def _assert_compiles(model, inputs, want, calls, patched):
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 
 
-@pytest.mark.parametrize("family", ["gemma3", "granite"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "olmo2", "granite"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
-    into the norms, norms that only elementwise ops read left to Inductor), against the
-    unpatched model in eager: outputs and every parameter's gradient, no graph break."""
+    into the norms, Gemma 2/3's and OLMo 2's norms before a residual add joined to it, norms
+    that only elementwise ops read left to Inductor), against the unpatched model in eager:
+    outputs and every parameter's gradient, no graph break."""
     model = _build(family).to(device)
     inputs = {k: v.to(device) for k, v in _inputs(family).items()}
     reference = copy.deepcopy(model)
