@@ -51,6 +51,17 @@ def _calls(code: str, op: str) -> int:
     return sum(n for key, n in T.dispatch_stats()["compiled"].items() if key.startswith(f"rmsnorm.{op}: "))
 
 
+def _assert_matches_stock(out, stock, patched, ids):
+    """The compiled patched model's output ``out`` (with labels ``ids``) against the unpatched
+    model's: logits, then every parameter's gradient of the loss (fp32 whole-model tolerance)."""
+    want = stock(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, want.logits, **MODEL[torch.float32])
+    out.loss.backward()
+    want.loss.backward()
+    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=name)
+
+
 @pytest.fixture(autouse=True)
 def _fusion_on():
     fusion.install()
@@ -79,12 +90,7 @@ def test_every_decoder_layer_fuses_its_residual_adds(family, fused, plain, joine
     compiled = torch.compile(patched, fullgraph=True)
     (out, code) = _code(lambda i: compiled(input_ids=i, labels=i), ids)
     assert (_calls(code, "add_fwd"), _calls(code, "fwd"), _calls(code, "norm_add_fwd")) == (fused, plain, joined)
-    want = stock(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out.logits, want.logits, **MODEL[torch.float32])
-    out.loss.backward()
-    want.loss.backward()
-    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=name)
+    _assert_matches_stock(out, stock, patched, ids)
 
 
 def test_the_rewrite_keeps_the_bits_and_can_be_turned_off():
@@ -358,12 +364,7 @@ def test_gemma3_norms_around_each_residual_add_run_as_one_op():
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     out, code = _code(lambda i: torch.compile(patched, fullgraph=True)(input_ids=i, labels=i), ids)
     assert (_calls(code, "norm_add_fwd"), _calls(code, "add_fwd")) == (2, 0)
-    want = stock(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out.logits, want.logits, **MODEL[torch.float32])
-    out.loss.backward()
-    want.loss.backward()
-    for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=name)
+    _assert_matches_stock(out, stock, patched, ids)
 
 
 @pytest.mark.parametrize("setting", ["function", "environment"])

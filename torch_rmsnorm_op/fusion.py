@@ -155,9 +155,19 @@ def epilogue_decomposition_enabled() -> bool:
     return _setting(EPILOGUE_ENV_VAR)
 
 
+def _is_call(node: Node, op) -> bool:
+    """Whether ``node`` calls the op ``op`` (a packet such as ``torch.ops.rmsnorm.fwd``)."""
+    return node.op == "call_function" and node.target in (op, op.default)
+
+
 def _is_norm(node: Node) -> bool:
-    fwd = torch.ops.rmsnorm.fwd
-    return node.op == "call_function" and node.target in (fwd, fwd.default)
+    return _is_call(node, torch.ops.rmsnorm.fwd)
+
+
+def _set_fake(node: Node, value) -> None:
+    """Record ``value`` (a fake result, from ``_fake_call``; None: none was recorded) as ``node``'s."""
+    if value is not None:
+        node.meta["example_value"] = node.meta["val"] = value
 
 
 def _is_add(node: Node) -> bool:
@@ -257,8 +267,7 @@ def fuse_residual_adds(graph: Graph) -> int:
         for i, node in enumerate((fused, *outs)):
             order[node] = order[add] + (i + 1) / 8  # between the add and the node after it
         for node, value in zip((fused, *outs), (fake, *(fake or (None, None, None)))):
-            if value is not None:
-                node.meta["example_value"] = node.meta["val"] = value
+            _set_fake(node, value)
         y, total, rstd = outs
         for user in list(norm.users):
             if user.op == "call_function" and user.target is operator.getitem and user.args[0] is norm:
@@ -274,11 +283,6 @@ def fuse_residual_adds(graph: Graph) -> int:
         graph.lint()
         log.debug("fused %d residual add(s) into rmsnorm.add_fwd", count)
     return count
-
-
-def _is_add_norm(node: Node) -> bool:
-    add_fwd = torch.ops.rmsnorm.add_fwd
-    return node.op == "call_function" and node.target in (add_fwd, add_fwd.default)
 
 
 def _only_output(norm: Node) -> Node | None:
@@ -299,7 +303,9 @@ def fuse_norm_add_norms(graph: Graph) -> int:
     both norms have the same keywords and x's norm writes x's dtype; returns how many."""
     count = 0
     for add in list(graph.nodes):
-        if not _is_add_norm(add) or len(add.args) != 4 or add.kwargs.get("out_dtype") is not None:
+        if not _is_call(add, torch.ops.rmsnorm.add_fwd) or len(add.args) != 4:
+            continue
+        if add.kwargs.get("out_dtype") is not None:
             continue
         if not all(u.op == "call_function" and u.target is operator.getitem for u in add.users):
             continue
@@ -316,13 +322,11 @@ def fuse_norm_add_norms(graph: Graph) -> int:
         fake = _fake_call(torch.ops.rmsnorm.norm_add_fwd.default, args, kwargs)
         with graph.inserting_before(add):
             fused = graph.call_function(torch.ops.rmsnorm.norm_add_fwd.default, args, kwargs)
-        if fake is not None:
-            fused.meta["example_value"] = fused.meta["val"] = fake
+        _set_fake(fused, fake)
         for user in list(add.users):
             with graph.inserting_before(user):
                 out = graph.call_function(operator.getitem, (fused, user.args[1]))
-            if fake is not None:
-                out.meta["example_value"] = out.meta["val"] = fake[user.args[1]]
+            _set_fake(out, None if fake is None else fake[user.args[1]])
             user.replace_all_uses_with(out)
             graph.erase_node(user)
         graph.erase_node(add)
@@ -457,8 +461,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
             new = graph.call_function(_inductor_norm, norm.args, dict(norm.kwargs))
-        if fake is not None:
-            new.meta["example_value"] = new.meta["val"] = fake
+        _set_fake(new, fake)
         norm.replace_all_uses_with(new)
         graph.erase_node(norm)
         count += 1

@@ -354,15 +354,34 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.save_for_backward(x, weight, rstd)
 
 
+def _norm_grads(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, eps: float,
+                weight_offset: float) -> tuple[Tensor, Tensor | None]:
+    """``fwd``'s gradients (dx, dweight) from dy: ``rmsnorm.bwd``, or under ``create_graph=True``
+    the reference formula with rstd recomputed differentiably."""
+    if _double_backward("rmsnorm.bwd"):
+        rstd = reference.rms_norm_forward(x, None, eps)[1]
+        return reference.rms_norm_backward(dy, x, weight, rstd, weight_offset)
+    return torch.ops.rmsnorm.bwd(dy, x, weight, rstd, weight_offset=weight_offset)
+
+
+def _sum_grads(dy: Tensor | None, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None,
+               rstd: Tensor, eps: float, weight_offset: float) -> tuple[Tensor | None, Tensor | None]:
+    """``add_fwd``'s gradients of the sum and of the weight: ``rmsnorm.add_bwd``, or under
+    ``create_graph=True`` the reference formula; with no dy, the sum's own gradient only (or
+    none)."""
+    if dy is None:
+        return dresidual_out, None
+    if _double_backward("rmsnorm.add_bwd"):
+        rstd = reference.rms_norm_forward(residual_out, None, eps)[1]
+        return reference.add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd, weight_offset)
+    return torch.ops.rmsnorm.add_bwd(dy, dresidual_out, residual_out, weight, rstd, weight_offset=weight_offset)
+
+
 def _backward(ctx, dy: Tensor | None, _drstd: Tensor | None):
     if dy is None:  # no gradient reached y (grads are not materialized): none flows back
         return None, None, None
     x, weight, rstd = ctx.saved_tensors
-    if _double_backward("rmsnorm.bwd"):
-        rstd = reference.rms_norm_forward(x, None, ctx.eps)[1]  # recomputed, differentiable
-        dx, dweight = reference.rms_norm_backward(dy, x, weight, rstd, ctx.weight_offset)
-    else:
-        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd, weight_offset=ctx.weight_offset)
+    dx, dweight = _norm_grads(dy, x, weight, rstd, ctx.eps, ctx.weight_offset)
     need_x, need_w, _ = ctx.needs_input_grad
     return (dx if need_x else None), (dweight if need_w else None), None
 
@@ -384,16 +403,7 @@ def _add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
 def _add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None):
     residual_out, weight, rstd = ctx.saved_tensors
     need_x, need_r, need_w, _ = ctx.needs_input_grad
-    dweight = None
-    if dy is None:  # only the sum's own gradient flows back (or none)
-        dsum = dresidual_out
-    elif _double_backward("rmsnorm.add_bwd"):
-        rstd = reference.rms_norm_forward(residual_out, None, ctx.eps)[1]
-        dsum, dweight = reference.add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd,
-                                                        ctx.weight_offset)
-    else:
-        dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dresidual_out, residual_out, weight, rstd,
-                                                  weight_offset=ctx.weight_offset)
+    dsum, dweight = _sum_grads(dy, dresidual_out, residual_out, weight, rstd, ctx.eps, ctx.weight_offset)
     if dsum is None:
         return None, None, None, None
     x_dtype, r_dtype = ctx.dtypes
@@ -421,25 +431,12 @@ def _norm_add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _dr
     backward ops, one after the other."""
     x, x_weight, x_rstd, residual_out, weight, rstd = ctx.saved_tensors
     need_x, need_r, need_xw, _, need_w, _ = ctx.needs_input_grad
-    dweight = dx = dx_weight = None
-    if dy is None:
-        dsum = dresidual_out
-    elif _double_backward("rmsnorm.add_bwd"):
-        rstd = reference.rms_norm_forward(residual_out, None, ctx.eps)[1]
-        dsum, dweight = reference.add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd,
-                                                        ctx.weight_offset)
-    else:
-        dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dresidual_out, residual_out, weight, rstd,
-                                                  weight_offset=ctx.weight_offset)
+    dsum, dweight = _sum_grads(dy, dresidual_out, residual_out, weight, rstd, ctx.eps, ctx.weight_offset)
     if dsum is None:
         return None, None, None, None, None, None
-    if need_x or need_xw:
-        dnormed = dsum.to(x.dtype)  # the gradient of x's norm, which has x's dtype
-        if _double_backward("rmsnorm.bwd"):
-            x_rstd = reference.rms_norm_forward(x, None, ctx.x_eps)[1]
-            dx, dx_weight = reference.rms_norm_backward(dnormed, x, x_weight, x_rstd, ctx.weight_offset)
-        else:
-            dx, dx_weight = torch.ops.rmsnorm.bwd(dnormed, x, x_weight, x_rstd, weight_offset=ctx.weight_offset)
+    dx = dx_weight = None
+    if need_x or need_xw:  # x's norm has x's dtype, and so has its gradient
+        dx, dx_weight = _norm_grads(dsum.to(x.dtype), x, x_weight, x_rstd, ctx.x_eps, ctx.weight_offset)
     return ((dx if need_x else None), (dsum.to(ctx.residual_dtype) if need_r else None),
             (dx_weight if need_xw else None), None, (dweight if need_w else None), None)
 
