@@ -164,7 +164,8 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tupl
         cfgs = [table]
         if near:
             try:
-                cfgs += (bwd_candidates if backward else fwd_candidates)(n, table)
+                # (the few-rows backward's candidates, kernels/columns.py, are not compiled here)
+                cfgs += [c for c in (bwd_candidates if backward else fwd_candidates)(n, table, rows) if not c.columns]
             except ValueError as e:  # a candidate the configuration class refuses
                 print(f"{job}: no candidates from tune.py: {e}", file=sys.stderr)
         for cfg in dict.fromkeys(cfgs):
