@@ -164,8 +164,7 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tupl
         cfgs = [table]
         if near:
             try:
-                # (the few-rows backward's candidates, kernels/columns.py, are not compiled here)
-                cfgs += [c for c in (bwd_candidates if backward else fwd_candidates)(n, table, rows) if not c.columns]
+                cfgs += (bwd_candidates if backward else fwd_candidates)(n, table)
             except ValueError as e:  # a candidate the configuration class refuses
                 print(f"{job}: no candidates from tune.py: {e}", file=sys.stderr)
         for cfg in dict.fromkeys(cfgs):

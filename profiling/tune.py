@@ -51,7 +51,7 @@ REAL_MS = (16, 2048, 8192, 16384)
 REAL_NS = (128, 2048, 3584, 4096, 5120, 7168, 8192)
 
 
-def fwd_candidates(n: int, cfg: KernelConfig, m: int) -> list[KernelConfig]:
+def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Whole rows per program (512-16K elements, 1-16 warps, at least 8 elements per thread;
     without masks where N is a power of two) and the looped form (2K-4K columns per step; where
     N is not a power of two, also 512-2K columns per step that divide N, without masks)."""
@@ -71,28 +71,9 @@ def fwd_candidates(n: int, cfg: KernelConfig, m: int) -> list[KernelConfig]:
     return out
 
 
-def columns_candidates(m: int, n: int) -> list[KernelConfig]:
-    """The few-rows backward (``kernels/columns.py``) over all ``m`` rows in one tile: row sums
-    in steps of 128-2048 columns, 32-256 columns per program, 2-8 warps, 1-2 stages: 4K-16K
-    elements a step and 1K-8K a column block (fewer where the row is shorter)."""
-    block, block_m = triton.next_power_of_2(n), triton.next_power_of_2(m)
-    out = []
-    for step, columns, warps, stages in itertools.product((128, 256, 512, 1024, 2048), (32, 64, 128, 256), (2, 4, 8),
-                                                          (1, 2)):
-        step, columns = min(step, block), min(columns, block)
-        if (block_m * step <= 16384 and block_m * columns <= 8192 and warps * 32 * 4 <= block_m * min(step, columns)
-                and (block_m * step >= 4096 or step == block) and (block_m * columns >= 1024 or columns == block)):
-            out.append(KernelConfig(step, block_m, warps, stages=stages, columns=columns))
-    return list(dict.fromkeys(out))
-
-
-def bwd_candidates(n: int, cfg: KernelConfig, m: int) -> list[KernelConfig]:
+def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM, each with both row-loop
-    forms; the table's configuration with a second read of x and dy, and with prefetching. Up
-    to 128 rows instead the ladder's configuration and the few-rows backward's candidates
-    (``columns_candidates``)."""
-    if m <= 128:
-        return [fit_to_rows(backward_config(n, torch.bfloat16), m, torch.device(DEVICE)), *columns_candidates(m, n)]
+    forms; the table's configuration with a second read of x and dy, and with prefetching."""
     block = triton.next_power_of_2(n)
     out = [KernelConfig(block, tile // block, warps, 1, pps, counted_loop=counted)
            for tile, warps, pps, counted in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8),
@@ -208,7 +189,7 @@ def candidates(job: Job, table: KernelConfig, table_only: bool) -> list[KernelCo
     if table_only:
         return [table]
     gen = bwd_candidates if job.backward else fwd_candidates
-    return list(dict.fromkeys([table, *gen(job.n, table, job.m)]))
+    return list(dict.fromkeys([table, *gen(job.n, table)]))
 
 
 def _precompile(job: Job, cfgs: list[KernelConfig]) -> int:
@@ -342,7 +323,7 @@ def main() -> None:
                   int(terms[0]) if terms else 1)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
         if job.backward:
-            cfg = backward_config(job.n, job.dtype, job.m)
+            cfg = backward_config(job.n, job.dtype)
         else:
             cfg = forward_config(job.n, job.dtype, job.residual, job.m, job.wdtype)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))

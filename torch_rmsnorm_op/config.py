@@ -173,14 +173,6 @@ BWD_SPLIT = ((MAX_N, 8192, 8, dict(stages=4, interleave=True)),)
 # the programs per row of 4096 columns: 92.0% against 85.5% (split-near.json), 93.1% (85.2%) and at
 # N=262144 95.0% (75.5%; split-bwd-fp32-8192-65536.json, -262144.json).
 BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
-# Backward over at most BWD_COLUMNS_MAX_M rows (M known when the plan is made), each program owning a block of
-# columns of every row (kernels/columns.py): one launch that writes dweight itself, where a grid of row groups
-# has one program per row and a second launch to sum their partials. (max N, columns per step of the row sums,
-# columns per program, warps, stages); longer rows take the ladders above.
-BWD_COLUMNS_MAX_M = 16
-BWD_COLUMNS = (
-    (8192, 512, 256, 4, 2),
-)
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -237,9 +229,7 @@ class KernelConfig:
     ``interleave`` (split mode) gives row group g rows g, g + groups, ... instead of a block of
     consecutive rows;
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
-    ``stages - 1`` iterations ahead into shared memory;
-    ``columns`` (backward over a few rows, ``kernels/columns.py``): each program writes this many
-    columns of all ``rows`` rows (``rows >= M``), after summing every row in ``block_n`` steps."""
+    ``stages - 1`` iterations ahead into shared memory."""
 
     block_n: int
     rows: int
@@ -252,7 +242,6 @@ class KernelConfig:
     stages: int = 1
     mask_free: bool = False
     interleave: bool = False
-    columns: int = 0
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -266,9 +255,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
-        if self.columns and (self.split != 1 or self.looped or self.reload or self.mask_free):
-            raise ValueError(f"KernelConfig: columns is a backward of its own, without split, looped, reload "
-                             f"or mask_free, got {self}")
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:
@@ -297,7 +283,7 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
     the multiprocessors: at 16 rows of 2048 a rung's 8 rows per program left 2 programs doing all
     the work. A single-pass forward keeps at least one program per SM while it can; the backward
     (``row_groups``) at least one row group per SM."""
-    if cfg.split > 1 or cfg.looped or cfg.columns or cfg.rows == 1 or type(m) is not int:
+    if cfg.split > 1 or cfg.looped or cfg.rows == 1 or type(m) is not int:
         return cfg
     target = sm_count(device) * (cfg.programs_per_sm if cfg.programs_per_sm > 1 else 1)
     rows = cfg.rows
@@ -335,28 +321,9 @@ def _forward_config(n: int, dtype: torch.dtype, residual: bool, m: int | None) -
     return _config(n, FWD_LADDER, FWD_SPLIT, residual, m)
 
 
-def backward_config(n: int, dtype: torch.dtype, m: int | torch.SymInt | None = None) -> KernelConfig:
-    """Backward (dx + dweight partials) launch shape for rows of length ``n`` over ``m`` rows:
-    the few-rows backward (``BWD_COLUMNS``) where ``m`` is an int up to ``BWD_COLUMNS_MAX_M``,
-    else the ladders' (as for a symbolic or unknown M)."""
-    if type(m) is int and 1 <= m <= BWD_COLUMNS_MAX_M:
-        rung = next((r for r in BWD_COLUMNS if n <= r[0]), None)
-        if rung is not None:
-            return _columns_config(n, next_power_of_2(m), *rung[1:])
-    return _backward_config(n, dtype)
-
-
 @functools.cache
-def _columns_config(n: int, block_m: int, step: int, columns: int, warps: int, stages: int) -> KernelConfig:
-    block = next_power_of_2(n)
-    step, columns = min(step, block), min(columns, block)
-    # Tiny tiles: fewer warps than the rung's, at least 4 elements per thread.
-    warps = max(1, min(warps, block_m * min(step, columns) // 128))
-    return KernelConfig(step, block_m, warps, stages=stages, columns=columns)
-
-
-@functools.cache
-def _backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
+def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
+    """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
     if dtype.itemsize == 4:
         return _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32)
     return _config(n, BWD_LADDER, BWD_SPLIT)

@@ -228,8 +228,6 @@ def backward_workspace(plan: Plan, dtype: torch.dtype, device: torch.device) -> 
     [partial rows + reduce splits, N], one partial row per row group or per pair of them, then
     the first reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads
     only the partials with one)."""
-    if plan.cfg.columns:  # writes dweight itself
-        return torch.empty((0, plan.n), dtype=torch.float32, device=device)
     rows, _ = _partials(plan, dtype, device)
     splits = _reduce_splits(rows, plan.n, device)
     return torch.empty((rows + (splits if splits > 1 else 0), plan.n), dtype=torch.float32, device=device)
@@ -283,11 +281,7 @@ def dweight_acc_rows(cfg: KernelConfig, elem_bytes: int) -> int:
 @functools.cache
 def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_dims: int, merge: bool,
                      weight_offset: float, elem_bytes: int) -> Mapping:
-    if cfg.columns:
-        out = dict(BLOCK_M=cfg.rows, BLOCK_N=cfg.block_n, COLUMNS=cfg.columns, HAS_WEIGHT=has_weight,
-                   HAS_DRES=has_dres, LEAD_DIMS=lead_dims, STAGES=cfg.stages, WEIGHT_OFFSET=weight_offset,
-                   DY_TERMS=1)
-    elif cfg.split > 1:
+    if cfg.split > 1:
         out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
                    WEIGHT_OFFSET=weight_offset, DY_TERMS=1)
@@ -323,8 +317,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     given) and, with a weight, ``dweight`` [N] (contiguous), as ``plan`` says (M, N >= 1): one
     launch, and a dweight reduction unless the grid is a single row group. ``x`` is addressed
     by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
-    A few-rows plan (``cfg.columns``) writes dweight in the same launch. ``workspace`` is the
-    dweight scratch (``backward_workspace``), allocated when None.
+    ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
     ``dy_terms``: up to two more tensors of dy's dtype and strides; the gradient is then their
     sum with dy, in fp32, rounded once to dy's dtype (what the backward of a norm whose output
     feeds several ops receives; ``fusion.fuse_gradient_sums`` passes them)."""
@@ -332,10 +325,6 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         raise ValueError("dy_terms: at most 2 tensors, of dy's dtype and strides")
     cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
     device = x.device
-    k = kernels or _kernels()
-    if cfg.columns:
-        _backward_columns(plan, dy, dy_terms, x, weight, rstd, dx, dweight, dres, traced, k)
-        return
     groups, rows_per_group = row_groups(m, n, device, cfg)
     has_weight = weight is not None
     partial = flags = mid = None
@@ -367,6 +356,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
                               x.dtype.itemsize)
     if dy_terms:
         consts = {**consts, **summed_gradient_consts(consts, 1 + len(dy_terms), dy.dtype.itemsize)}
+    k = kernels or _kernels()
     if cfg.split > 1:
         slots = torch.zeros((m + rows_per_group, cfg.split), dtype=torch.int64, device=device)
         args = [*ptrs, slots, m, n, rows_per_group, *strides]
@@ -381,26 +371,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         reduce_dweight(partial, dweight, mid, bound, traced, k)
 
 
-def _backward_columns(plan: Plan, dy: Tensor, dy_terms: tuple[Tensor, ...], x: Tensor, weight: Tensor | None,
-                      rstd: Tensor, dx: Tensor, dweight: Tensor | None, dres: Tensor | None, traced: bool, k) -> None:
-    """``backward``'s launch for a few-rows plan: one program per ``cfg.columns`` columns."""
-    cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
-    if not _known(m <= cfg.rows):
-        raise ValueError(f"a few-rows backward plan holds {cfg.rows} rows, not M = {m}")
-    terms = (*dy_terms, dy, dy)[:2]
-    ptrs = [dy, *terms, x, x if weight is None else weight, rstd, dx, x if dres is None else dres,
-            x if dweight is None else dweight]
-    strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
-    consts = _backward_consts(cfg, weight is not None, dres is not None, layout.dims, False, plan.weight_offset,
-                              x.dtype.itemsize)
-    if dy_terms:
-        consts = {**consts, "DY_TERMS": 1 + len(dy_terms)}
-    _launch(k._rms_norm_bwd_columns, (cdiv(n, cfg.columns),), [*ptrs, m, n, *strides], consts, cfg.num_warps,
-            x.device, traced)
-
-
 _KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_norm_add_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",
-                 "_rms_norm_bwd_rows", "_rms_norm_bwd_columns", "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
+                 "_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
 
 
 @functools.cache
