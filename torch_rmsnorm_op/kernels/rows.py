@@ -26,32 +26,6 @@ from torch_rmsnorm_op.kernels.common import (
 
 
 @triton.jit
-def _tile(M, N, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, UNMASKED: tl.constexpr):
-    """This program's ``ROWS`` rows and ``BLOCK_N`` columns, their masks, the masked loads'
-    ``other`` (all None where ``UNMASKED``)."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    if UNMASKED:
-        row_mask, col_mask, mask, other = None, None, None, None
-    else:
-        row_mask, col_mask, other = rows < M, cols < N, 0.0
-        mask = row_mask[:, None] & col_mask[None, :]
-    return rows, cols, row_mask, col_mask, mask, other
-
-
-@triton.jit
-def _normalize(x, W, cols, col_mask, other, N, eps, HAS_WEIGHT: tl.constexpr, WEIGHT_OFFSET: tl.constexpr,
-               ROUND: tl.constexpr):
-    """A tile of whole rows ``x`` normalized: y (fp32, ``kernels.common._scale``) and each row's rstd."""
-    x = x.to(tl.float32)
-    rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
-    w = 0.0
-    if HAS_WEIGHT:
-        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
-    return _scale(x, rstd[:, None], w, HAS_WEIGHT, ROUND), rstd
-
-
-@triton.jit
 def _accumulate(acc, tile, ACC_ROWS: tl.constexpr):
     """``acc`` [ACC_ROWS, BLOCK_N] plus ``tile`` [ROWS, BLOCK_N]: row by row, or (ACC_ROWS 1) its column sums."""
     if ACC_ROWS == 1:
@@ -90,14 +64,25 @@ def _rms_norm_fwd_rows(
     WEIGHT_OFFSET: tl.constexpr,  # the weight scales as w + WEIGHT_OFFSET
     ROUND: tl.constexpr,  # round x * rstd to fp16 (1) or bf16 (2) before the weight
 ):
-    rows, cols, row_mask, col_mask, mask, other = _tile(M, N, BLOCK_N, ROWS, UNMASKED)
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if UNMASKED:
+        row_mask, col_mask, mask, other = None, None, None, None
+    else:
+        row_mask, col_mask, other = rows < M, cols < N, 0.0
+        mask = row_mask[:, None] & col_mask[None, :]
     x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
     x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
         x = _residual_sum(x, r, H.dtype.element_ty)
         tl.store(H + rows[:, None] * h_stride + cols[None, :], x, mask=mask)
-    y, rstd = _normalize(x, W, cols, col_mask, other, N, eps, HAS_WEIGHT, WEIGHT_OFFSET, ROUND)
+    x = x.to(tl.float32)
+    rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
+    w = 0.0
+    if HAS_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    y = _scale(x, rstd[:, None], w, HAS_WEIGHT, ROUND)
     tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=row_mask)
@@ -135,16 +120,35 @@ def _rms_norm_fwd_norm_add_rows(
     WEIGHT_OFFSET: tl.constexpr,  # both weights scale as w + WEIGHT_OFFSET
     ROUND: tl.constexpr,  # both norms round x * rstd so before their weight
 ):
-    rows, cols, row_mask, col_mask, mask, other = _tile(M, N, BLOCK_N, ROWS, UNMASKED)
+    # The prologue and the normalization as in _rms_norm_fwd_rows, written out: a @triton.jit helper
+    # cannot return the None masks of UNMASKED (Triton 3.6: "cannot convert None ... to tensor").
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    if UNMASKED:
+        row_mask, col_mask, mask, other = None, None, None, None
+    else:
+        row_mask, col_mask, other = rows < M, cols < N, 0.0
+        mask = row_mask[:, None] & col_mask[None, :]
     x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
     x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
     r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
     # x's norm, rounded to x's dtype as the op without a residual writes it
-    x_normed, x_rstd = _normalize(x, XW, cols, col_mask, other, N, x_eps, HAS_X_WEIGHT, WEIGHT_OFFSET, ROUND)
+    x_normed_ty = x.dtype
+    x = x.to(tl.float32)
+    x_rstd = _rstd(tl.sum(x * x, axis=1), N, x_eps)
+    xw = 0.0
+    if HAS_X_WEIGHT:
+        xw = _weight(tl.load(XW + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    x_normed = _scale(x, x_rstd[:, None], xw, HAS_X_WEIGHT, ROUND).to(x_normed_ty)
     # then the op with a residual on (residual, x_normed)
-    h = _residual_sum(x_normed.to(x.dtype), r, H.dtype.element_ty)
+    h = _residual_sum(x_normed, r, H.dtype.element_ty)
     tl.store(H + rows[:, None] * h_stride + cols[None, :], h, mask=mask)
-    y, rstd = _normalize(h, W, cols, col_mask, other, N, eps, HAS_WEIGHT, WEIGHT_OFFSET, ROUND)
+    h = h.to(tl.float32)
+    rstd = _rstd(tl.sum(h * h, axis=1), N, eps)
+    w = 0.0
+    if HAS_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+    y = _scale(h, rstd[:, None], w, HAS_WEIGHT, ROUND)
     tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     if STORE_RSTD:
         tl.store(RSTD + rows, rstd, mask=row_mask)
