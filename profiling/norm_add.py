@@ -1,5 +1,5 @@
 """Norm, residual add, norm (Gemma's norms around each residual add), three ways, on CUDA:
-``python profiling/norm_add.py --out FILE [--rows 16,2048,8192,16384] [--cols 1152,2048,...] [--backward]``.
+``python profiling/norm_add.py --out FILE [--rows 16,2048,8192,16384] [--cols 1152,2048,...]``.
 
 Per (M, N), bf16, Gemma's weight offset (``1 + w``), eps 1e-6:
 
@@ -14,16 +14,6 @@ L2; host time is not included. ``same_bits_as_chain``: the fused op's y and sum 
 chain's; ``max_abs_diff_vs_inductor``: the largest difference of either from Inductor's.
 ``floor_us``: the pair's least traffic (read x and the residual, write y and the sum) at
 4.8 TB/s.
-
-With ``--backward``, the gradients given dy and the sum's own gradient, same pools and timing:
-
-- ``fused_bwd_us``: ``torch.ops.rmsnorm.norm_add_bwd`` (one kernel where both backwards take
-  one launch configuration, else the two ops' launches), the dweight reductions included;
-- ``chain_bwd_us``: ``rmsnorm.add_bwd`` then ``rmsnorm.bwd``;
-- ``ours_fwd_bwd_us`` / ``inductor_fwd_bwd_us``: ``norm_add_fwd`` and its autograd backward,
-  against the compiled pair's forward and backward;
-- ``same_bits_as_chain``: all four gradients equal the chain's; ``bwd_floor_us``: read dy, the
-  sum's gradient, the sum and x, write the residual's gradient and dx, at 4.8 TB/s.
 """
 
 from __future__ import annotations
@@ -76,46 +66,11 @@ def gpu_us(fn, pool: list, iters: int = 40) -> float:
     return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
 
 
-def fused_bwd(dy, dres, h, w2, rstd, x, w1, x_rstd):
-    return torch.ops.rmsnorm.norm_add_bwd(dy, dres, h, w2, rstd, x, w1, x_rstd, weight_offset=1.0)
-
-
-def chain_bwd(dy, dres, h, w2, rstd, x, w1, x_rstd):
-    ds, dw2 = torch.ops.rmsnorm.add_bwd(dy, dres, h, w2, rstd, weight_offset=1.0)
-    dx, dw1 = torch.ops.rmsnorm.bwd(ds, x, w1, x_rstd, weight_offset=1.0)
-    return dx, ds, dw1, dw2
-
-
-def _fwd_bwd(fn):
-    def step(x, r, w1, w2, dy, dres):
-        y, h = fn(x, r, w1, w2)
-        torch.autograd.backward((y, h), (dy, dres))
-        for t in (x, r, w1, w2):
-            t.grad = None
-    return step
-
-
-def backward_row(m: int, n: int, compiled) -> dict:
-    count = max(2, int(200e6 // (m * n * 2 * 6)) + 1)
-    pool, leaves = [], []
-    for _ in range(count):
-        x, r, dy, dres = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        w1, w2 = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2))
-        y, h, rstd, x_rstd = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, EPS, w2, EPS, weight_offset=1.0)
-        pool.append((dy, dres, h, w2, rstd, x, w1, x_rstd))
-        leaves.append((*(t.clone().requires_grad_() for t in (x, r, w1, w2)), dy, dres))
-    a, b = fused_bwd(*pool[0]), chain_bwd(*pool[0])
-    return dict(m=m, n=n, fused_bwd_us=gpu_us(fused_bwd, pool), chain_bwd_us=gpu_us(chain_bwd, pool),
-                ours_fwd_bwd_us=gpu_us(_fwd_bwd(fused), leaves), inductor_fwd_bwd_us=gpu_us(_fwd_bwd(compiled), leaves),
-                same_bits_as_chain=all(torch.equal(u, v) for u, v in zip(a, b)), bwd_floor_us=6 * m * n * 2 / 4.8e6)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", default="16,2048,8192,16384")
     parser.add_argument("--cols", default="1152,2048,2304,2560,3584,3840,4608,5376")
-    parser.add_argument("--backward", action="store_true", help="time the gradients instead (see above)")
     args = parser.parse_args(argv)
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
@@ -124,10 +79,6 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for m in map(int, args.rows.split(",")):
         for n in map(int, args.cols.split(",")):
-            if args.backward:
-                rows.append(backward_row(m, n, compiled))
-                print(json.dumps(rows[-1]), flush=True)
-                continue
             count = max(2, int(200e6 // (m * n * 2 * 2)) + 1)
             pool = [(torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
                      torch.randn(m, n, device="cuda", dtype=torch.bfloat16),

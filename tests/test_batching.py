@@ -230,34 +230,6 @@ def test_vmap_norm_add(device, per_sample):
             torch.testing.assert_close(a[b], w, **BATCHED[torch.float32])
 
 
-@pytest.mark.parametrize("per_sample", [None, "x_weight"])
-def test_vmap_norm_add_bwd(device, per_sample):
-    """``norm_add_bwd`` under vmap, the batch at dim 1, the residual's gradient unbatched: one
-    call on all rows, the values of a call per sample (the weights' gradients per sample); a
-    per-sample weight takes the reference, counted."""
-    x, r = torch.randn(3, 4, N, device=device), torch.randn(3, 4, N, device=device)
-    xw, w = torch.rand(N, device=device) + 0.5, torch.rand(N, device=device) + 0.5
-    if per_sample:
-        xw = torch.rand(4, N, device=device) + 0.5
-    outs = [torch.ops.rmsnorm.norm_add_fwd(x[:, b], r[:, b], xw[b] if per_sample else xw, 1e-6, w, 1e-5)
-            for b in range(4)]
-    y, h, rstd, x_rstd = (torch.stack(t, 1) for t in zip(*outs))
-    dy, dres = torch.randn_like(y), torch.randn(3, N, device=device)
-
-    def f(dy_, h_, rstd_, x_, xw_, x_rstd_):
-        return torch.ops.rmsnorm.norm_add_bwd(dy_, dres, h_, w, rstd_, x_, xw_, x_rstd_)
-
-    in_dims = (1, 1, 1, 1, 0 if per_sample else None, 1)
-    with T.fallback_policy("reference" if per_sample else "error"):
-        got = torch.vmap(f, in_dims=in_dims)(dy, h, rstd, x, xw, x_rstd)
-    reasons = {"rmsnorm.norm_add_bwd: per-sample weights under vmap": 1} if per_sample else {}
-    assert T.dispatch_stats()["fallback"] == reasons
-    for b in range(4):
-        want = f(dy[:, b], h[:, b], rstd[:, b], x[:, b], xw[b] if per_sample else xw, x_rstd[:, b])
-        for a, e in zip(got, want):
-            torch.testing.assert_close(a[b], e, **BATCHED[torch.float32])
-
-
 def test_backward_of_a_vmapped_forward(device):
     x = torch.randn(3, 2, N, device=device, requires_grad=True)
     w = torch.randn(N, device=device, requires_grad=True)

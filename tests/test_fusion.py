@@ -644,8 +644,7 @@ def test_cuda_backward_kernels_sum_the_projections_gradients(family, monkeypatch
 def test_cuda_gemma3_launches_the_norm_add_kernel():
     """A patched bf16 Gemma 3 compiled with Inductor on CUDA, training: the output code launches
     the norm-add kernel (twice a layer: ``norm_add_fwd`` decomposes into its launch, where both
-    norms share a single-pass configuration, as they do here), the backward graph the norm-add
-    backward kernel (``norm_add_bwd``), and neither calls ``torch.ops.rmsnorm``;
+    norms share a single-pass configuration, as they do here) and calls no ``torch.ops.rmsnorm``;
     loss and gradients are within the tolerance of the stock compiled model's."""
     cfg = transformers.Gemma3TextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
@@ -659,12 +658,10 @@ def test_cuda_gemma3_launches_the_norm_add_kernel():
         out, code = _code(lambda i: torch.compile(patched, fullgraph=True)(input_ids=i, labels=i), ids)
     assert T.dispatch_stats()["compiled"].get("rmsnorm.norm_add_fwd: kernel", 0) == 4, T.dispatch_stats()
     FileCheck().check("_rms_norm_fwd_norm_add_rows").check_not("torch.ops.rmsnorm").run(code)
-    _, backward_code = run_and_get_code(out.loss.backward)  # the backward graph compiles at its first call
-    assert T.dispatch_stats()["compiled"].get("rmsnorm.norm_add_bwd: kernel", 0) == 4, T.dispatch_stats()
-    FileCheck().check("_rms_norm_bwd_norm_add_rows").check_not("torch.ops.rmsnorm").run("\n".join(backward_code))
     torch._dynamo.reset()
     want = torch.compile(stock, fullgraph=True)(input_ids=ids, labels=ids)
     torch.testing.assert_close(out.loss, want.loss, **MODEL[torch.bfloat16])
+    out.loss.backward()
     want.loss.backward()
     for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
         torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.bfloat16], msg=name)

@@ -173,32 +173,6 @@ def _norm_add_fwd_vmap(info, in_dims, x: Tensor, residual: Tensor, x_weight: Ten
     return reference.norm_add_rms_norm_forward(x, residual, xw, x_eps, w, eps, **kwargs), (0, 0, 0, 0)
 
 
-def _norm_add_bwd_vmap(info, in_dims, dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor,
-                       weight: Tensor | None, rstd: Tensor, x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, *,
-                       weight_offset: float = 0.0):
-    dy_dim, dr_dim, ro_dim, w_dim, rstd_dim, x_dim, xw_dim, xr_dim = in_dims
-    size = info.batch_size
-    dy_e, dr_e, ro_e, rstd_e, x_e, xr_e = (_expanded(t, d, size) for t, d in (
-        (dy, dy_dim), (dresidual_out, dr_dim), (residual_out, ro_dim), (rstd, rstd_dim), (x, x_dim), (x_rstd, xr_dim)))
-    if w_dim is None and xw_dim is None:
-        dx, dres, _, _ = torch.ops.rmsnorm.norm_add_bwd(dy_e, dr_e, _rows_for_kernels(ro_e, weight), weight, rstd_e,
-                                                        _rows_for_kernels(x_e, x_weight), x_weight, xr_e,
-                                                        weight_offset=weight_offset)
-    else:
-        for w, dim, t, r in ((weight, w_dim, ro_e, rstd_e), (x_weight, xw_dim, x_e, xr_e)):
-            check_backward_args(_sample(dy_e), _sample(t), None if w is None else _sample(_expanded(w, dim, size)),
-                                _sample(r))
-        record_fallback("rmsnorm.norm_add_bwd", _PER_SAMPLE_WEIGHTS)
-        w, xw = (None if t is None else _broadcast_weight(_expanded(t, d, size), 0, x_e.dim())
-                 for t, d in ((weight, w_dim), (x_weight, xw_dim)))
-        dx, dres, _, _ = reference.norm_add_rms_norm_backward(dy_e, dr_e, ro_e, w, rstd_e, x_e, xw, xr_e, weight_offset)
-    # per-sample weight gradients: each sample's own rows, from the gradients just computed
-    dxw = None if x_weight is None else _per_sample_dweight(dres.to(x_e.dtype), x_e, xr_e, x_weight, size,
-                                                            x_e.shape[1:])
-    dw = None if weight is None else _per_sample_dweight(dy_e, ro_e, rstd_e, weight, size, ro_e.shape[1:])
-    return (dx, dres, dxw, dw), (0, 0, None if dxw is None else 0, None if dw is None else 0)
-
-
 # torch.autograd.grad(is_grads_batched=True), jacobian(vectorize=True) and gradcheck's batched
 # check run the backward under torch._vmap_internals' vmap, whose tensors carry the "Batched"
 # dispatch key (not functorch's FuncTorchBatched, which register_vmap serves). Its per-sample
@@ -256,6 +230,6 @@ def _legacy_batched(rule: Callable, *args: Any, **kwargs: Any) -> Any:
 
 _LIB = torch.library.Library("rmsnorm", "FRAGMENT")  # kept alive: a collected Library unregisters its kernels
 for _name, _rule in (("fwd", _fwd_vmap), ("bwd", _bwd_vmap), ("add_fwd", _add_fwd_vmap), ("add_bwd", _add_bwd_vmap),
-                     ("norm_add_fwd", _norm_add_fwd_vmap), ("norm_add_bwd", _norm_add_bwd_vmap)):
+                     ("norm_add_fwd", _norm_add_fwd_vmap)):
     torch.library.register_vmap(f"rmsnorm::{_name}", _rule, lib=_LIB)
     _LIB.impl(_name, functools.partial(_legacy_batched, _rule), "Batched")

@@ -134,65 +134,40 @@ def check_norm_add_args(x: Tensor, residual: Tensor, x_weight: Tensor | None, we
     _check_weight(op, x, x_weight, "x_weight")
 
 
-def _check_weight(op: str, x: Tensor, weight: Tensor | None, name: str = "weight", x_name: str = "x") -> None:
+def _check_weight(op: str, x: Tensor, weight: Tensor | None, name: str = "weight") -> None:
     if weight is None:
         return
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise RMSNormInputError(
-            f"{op}: {name} must have shape [N] = [{x.shape[-1]}] ({x_name}'s last dim), got {_shape(weight)}"
+            f"{op}: {name} must have shape [N] = [{x.shape[-1]}] (x's last dim), got {_shape(weight)}"
         )
     if weight.device != x.device:
         raise RMSNormInputError(
-            f"{op}: {name} must be on the same device as {x_name} ({name}: {weight.device}, {x_name}: {x.device})"
+            f"{op}: {name} must be on the same device as x ({name}: {weight.device}, x: {x.device})"
         )
     if weight.dtype.is_complex:
         raise RMSNormDTypeError(f"{op}: {name} must be real, got {weight.dtype}")
 
 
 def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor,
-                        dresidual_out: Tensor | None = None, op: str = "rmsnorm.bwd", names: tuple[str, str, str] = (
-                            "x", "weight", "rstd")) -> None:
+                        dresidual_out: Tensor | None = None, op: str = "rmsnorm.bwd") -> None:
     """Validate ``rmsnorm::bwd(dy, x, weight, rstd)`` (or ``add_bwd``, x being the forward's
-    ``residual_out``) against the forward's contract; ``names`` name x, weight and rstd in the
-    errors."""
-    x_name, w_name, rstd_name = names
-    if x.dim() < 1:
-        raise RMSNormInputError(
-            f"{op}: {x_name} must have at least 1 dimension (the normalized one), got a 0-dim tensor")
-    _check_real_float(x_name, x, op)
-    _check_weight(op, x, weight, w_name, x_name)
+    ``residual_out``) against the forward's contract."""
+    check_forward_args(x, weight, op=op)
     for name, t in (("dy", dy), ("dresidual_out", dresidual_out)):
         if t is None:
             continue
         if t.device != x.device:
-            raise RMSNormInputError(
-                f"{op}: {name} must be on {x_name}'s device ({name}: {t.device}, {x_name}: {x.device})")
+            raise RMSNormInputError(f"{op}: {name} must be on x's device ({name}: {t.device}, x: {x.device})")
         if t.shape != x.shape:
-            raise RMSNormInputError(f"{op}: {name} must have {x_name}'s shape {_shape(x)}, got {_shape(t)}")
+            raise RMSNormInputError(f"{op}: {name} must have x's shape {_shape(x)}, got {_shape(t)}")
         _check_real_float(name, t, op)
     want = computation_dtype(x.dtype)
     if rstd.device != x.device:
-        raise RMSNormInputError(
-            f"{op}: {rstd_name} must be on {x_name}'s device ({rstd_name}: {rstd.device}, {x_name}: {x.device})")
+        raise RMSNormInputError(f"{op}: rstd must be on x's device (rstd: {rstd.device}, x: {x.device})")
     if rstd.shape != x.shape[:-1]:
         raise RMSNormInputError(
-            f"{op}: {rstd_name} must have shape {x_name}.shape[:-1] = {_shape(x)[:-1]}, got {_shape(rstd)}"
+            f"{op}: rstd must have shape x.shape[:-1] = {_shape(x)[:-1]}, got {_shape(rstd)}"
         )
     if rstd.dtype != want:
-        raise RMSNormDTypeError(f"{op}: {rstd_name} must be {want} for {x_name} of dtype {x.dtype}, got {rstd.dtype}")
-
-
-def check_norm_add_backward_args(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor,
-                                 weight: Tensor | None, rstd: Tensor, x: Tensor, x_weight: Tensor | None,
-                                 x_rstd: Tensor) -> None:
-    """Validate ``rmsnorm::norm_add_bwd``: ``add_bwd``'s rules for dy, dresidual_out,
-    residual_out, weight and rstd; ``bwd``'s for x, x_weight and x_rstd; x of residual_out's
-    shape and device."""
-    op = "rmsnorm.norm_add_bwd"
-    check_backward_args(dy, residual_out, weight, rstd, dresidual_out, op, ("residual_out", "weight", "rstd"))
-    if x.device != residual_out.device:
-        raise RMSNormInputError(
-            f"{op}: x must be on residual_out's device (x: {x.device}, residual_out: {residual_out.device})")
-    if x.shape != residual_out.shape:
-        raise RMSNormInputError(f"{op}: x must have residual_out's shape {_shape(residual_out)}, got {_shape(x)}")
-    check_backward_args(dy, x, x_weight, x_rstd, op=op, names=("x", "x_weight", "x_rstd"))
+        raise RMSNormDTypeError(f"{op}: rstd must be {want} for x of dtype {x.dtype}, got {rstd.dtype}")

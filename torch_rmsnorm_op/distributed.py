@@ -12,8 +12,6 @@ rank's local shard, and every output keeps the input's placement. The rules, per
               weight: Replicate
     norm_add_fwd  x, residual: P, x_weight, weight:       y, residual_out, rstd, x_rstd: P
               Replicate
-    norm_add_bwd  dy, dresidual_out, residual_out, rstd,  dx, dresidual: P, dx_weight, dweight:
-              x, x_rstd: P, x_weight, weight: Replicate   Partial if P shards rows
 
 with ``P`` one of ``Replicate()``, ``Shard(d)`` for ``d < x.ndim - 1``. With rows sharded, each
 rank's dweight sums its own rows only, hence ``Partial()`` (a sum over ranks); with ``P``
@@ -105,16 +103,6 @@ def _norm_add_fwd_sharding(x: Any, residual: Any, x_weight: Any, x_eps: float, w
     return [([p, p, p, p], [p, p, xw, None, w, None]) for p in _row_placements(x.ndim)]
 
 
-def _norm_add_bwd_sharding(dy: Any, dresidual_out: Any, residual_out: Any, weight: Any, rstd: Any, x: Any,
-                           x_weight: Any, x_rstd: Any, **kwargs: Any) -> list[tuple[list, list]]:
-    xw, w = _weight_placement(x_weight), _weight_placement(weight)
-    return [
-        ([p, p, _weight_grad_placement(x_weight, p), _weight_grad_placement(weight, p)],
-         [p, None if dresidual_out is None else p, p, w, p, p, xw, p])
-        for p in _row_placements(x.ndim)
-    ]
-
-
 def register_sharding_rules() -> None:
     """Register the rules with DTensor (imports ``torch.distributed.tensor``). Idempotent;
     importing the package calls it when ``torch.distributed.tensor`` is or gets imported."""
@@ -127,8 +115,7 @@ def register_sharding_rules() -> None:
         ops = torch.ops.rmsnorm
         for op, rule in ((ops.fwd.default, _fwd_sharding), (ops.bwd.default, _bwd_sharding),
                          (ops.add_fwd.default, _add_fwd_sharding), (ops.add_bwd.default, _add_bwd_sharding),
-                         (ops.norm_add_fwd.default, _norm_add_fwd_sharding),
-                         (ops.norm_add_bwd.default, _norm_add_bwd_sharding)):
+                         (ops.norm_add_fwd.default, _norm_add_fwd_sharding)):
             register_sharding(op)(rule)
         _registered = True
 

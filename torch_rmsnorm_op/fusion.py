@@ -481,7 +481,7 @@ def rewrite_pre_grad(graph: Graph) -> int:
 
 # --- gradient sums -------------------------------------------------------------------------
 
-_BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_norm_add_rows", "_rms_norm_bwd_split")
+_BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_split")
 _DY_KEYS = ("DY", "DY2", "DY3")
 
 

@@ -371,72 +371,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         reduce_dweight(partial, dweight, mid, bound, traced, k)
 
 
-def norm_add_backward_fuses(plan: Plan, x_plan: Plan, h: Tensor, x: Tensor, dy: Tensor,
-                            dres: Tensor | None) -> bool:
-    """Whether ``backward_norm_add`` runs the sum's backward (``plan``, over ``h``) and x's
-    (``x_plan``) in one kernel: the same single-pass configuration for both, without a second
-    read of the tile (``reload``) or merged partials; h and x of one dtype (so that the sum's
-    gradient as stored is x's norm's dy); h, x, dy and dres with contiguous rows."""
-    cfg = plan.cfg
-    if cfg != x_plan.cfg or cfg.split > 1 or cfg.reload or h.dtype != x.dtype:
-        return False
-    n = plan.n
-    contiguous = (1, 1, 1, n, 0, 0)
-    if tuple(plan.layout) != contiguous or tuple(x_plan.layout) != contiguous:
-        return False
-    if row_stride(dy) != n or (dres is not None and row_stride(dres) != n):
-        return False
-    groups, _ = row_groups(plan.m, n, h.device, cfg)
-    return not merged_partials(groups, plan.m, n, h.dtype)
-
-
-def backward_norm_add(plan: Plan, dy: Tensor, dres: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor,
-                      x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, ds: Tensor, dx: Tensor,
-                      dweight: Tensor | None, dx_weight: Tensor | None, traced: bool = False,
-                      kernels: ModuleType | None = None, dy_terms: tuple[Tensor, ...] = ()) -> None:
-    """Write ``ds`` (the gradient of ``h = residual + rmsnorm(x)``: its norm's backward from
-    ``dy``, plus ``dres``), ``dx`` (x's norm's backward from ``ds``) and the two dweights, in one
-    launch of ``plan``'s configuration (``norm_add_backward_fuses``) and a dweight reduction per
-    weight unless the grid is a single row group. ``dy_terms`` as in ``backward``."""
-    if len(dy_terms) > 2 or any(t.dtype != dy.dtype or t.stride() != dy.stride() for t in dy_terms):
-        raise ValueError("dy_terms: at most 2 tensors, of dy's dtype and strides")
-    cfg, m, n = plan.cfg, plan.m, plan.n
-    device = x.device
-    groups, rows_per_group = row_groups(m, n, device, cfg)
-    direct = type(groups) is int and groups == 1
-    partials = []
-    for w, dw in ((weight, dweight), (x_weight, dx_weight)):
-        if w is None:
-            partials.append(None)
-        elif direct:  # one row group: its partial row is dweight, written by the kernel in dweight's dtype
-            partials.append(dw)
-        else:
-            partials.append(torch.empty((groups, n), dtype=torch.float32, device=device))
-    terms = (*dy_terms, dy, dy)[:2]
-    ptrs = [dy, *terms, h, x if weight is None else weight, rstd, x if dres is None else dres, x,
-            x if x_weight is None else x_weight, x_rstd, ds, dx, *(x if p is None else p for p in partials)]
-    consts = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=weight is not None,
-                  HAS_X_WEIGHT=x_weight is not None, HAS_DRES=dres is not None, COUNTED_LOOP=cfg.counted_loop,
-                  STAGES=cfg.stages, WEIGHT_OFFSET=plan.weight_offset,
-                  ACC_ROWS=dweight_acc_rows(cfg, x.dtype.itemsize), DY_TERMS=1)
-    if dy_terms:
-        consts.update(summed_gradient_consts(consts, 1 + len(dy_terms), dy.dtype.itemsize))
-    k = kernels or _kernels()
-    _launch(k._rms_norm_bwd_norm_add_rows, (groups,),
-            [*ptrs, m, n, rows_per_group, row_stride(h), row_stride(x), row_stride(dy), row_stride(dx)], consts,
-            cfg.num_warps, device, traced)
-    if not direct:
-        bound = max(1, cfg.programs_per_sm * sm_count(device))
-        for partial, dw in zip(partials, (dweight, dx_weight)):
-            if partial is not None:
-                splits = _reduce_splits(groups, n, device)
-                mid = torch.empty((splits, n), dtype=torch.float32, device=device) if splits > 1 else None
-                reduce_dweight(partial, dw, mid, bound, traced, k)
-
-
 _KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_norm_add_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",
-                 "_rms_norm_bwd_rows", "_rms_norm_bwd_norm_add_rows", "_rms_norm_bwd_split",
-                 "_rms_norm_dw_reduce")
+                 "_rms_norm_bwd_rows", "_rms_norm_bwd_split", "_rms_norm_dw_reduce")
 
 
 @functools.cache

@@ -11,9 +11,6 @@
     norm_add_fwd(Tensor x, Tensor residual, Tensor? x_weight, float x_eps, Tensor? weight,
         float eps, *, float weight_offset=0.0, ScalarType? norm_dtype=None)
         -> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)
-    norm_add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, Tensor rstd,
-        Tensor x, Tensor? x_weight, Tensor x_rstd, *, float weight_offset=0.0)
-        -> (Tensor dx, Tensor dresidual, Tensor? dx_weight, Tensor? dweight)
 
 Per row of the last dim: ``rstd = 1 / sqrt(mean(x**2) + eps)``; ``y = round(x * rstd) *
 (weight + weight_offset)``, where ``round`` rounds to ``norm_dtype`` when it is given (Llama's
@@ -25,11 +22,7 @@ the residual and that (Gemma's norm after attention, residual add and norm befor
 ``residual_out = residual + rmsnorm(x, x_weight, x_eps)``, ``y, rstd = rmsnorm(residual_out,
 weight, eps)``, both norms with the same keywords; the two ops' values, bit for bit, in one
 kernel where that holds (``launch.norm_add_fuses``), else in their two launches; its gradient
-is theirs (``add_bwd`` then ``bwd``), computed by ``norm_add_bwd``: ``dresidual`` is
-``add_bwd``'s result (the residual's gradient, and x's norm's dy in x's dtype), ``dx`` and
-``dx_weight`` ``bwd``'s from it; one kernel that does not read ``dresidual`` back where both
-backwards take the same launch (``launch.norm_add_backward_fuses``), else the two ops' launches.
-``y``, ``residual_out`` and ``dx`` are contiguous;
+is theirs (``add_bwd`` then ``bwd``). ``y``, ``residual_out`` and ``dx`` are contiguous;
 ``rstd`` has shape ``x.shape[:-1]`` and the computation dtype (float32; float64 for float64 x); ``dweight`` has
 the weight's shape and dtype.
 
@@ -59,13 +52,7 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat, dispatch, reference
-from torch_rmsnorm_op.contract import (
-    check_add_args,
-    check_backward_args,
-    check_forward_args,
-    check_norm_add_args,
-    check_norm_add_backward_args,
-)
+from torch_rmsnorm_op.contract import check_add_args, check_backward_args, check_forward_args, check_norm_add_args
 from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 from torch_rmsnorm_op.layout import row_stride
 
@@ -90,9 +77,6 @@ _LIB.define("add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tens
 _LIB.define("norm_add_fwd(Tensor x, Tensor residual, Tensor? x_weight, float x_eps, Tensor? weight, float eps, *, "
             "float weight_offset=0.0, ScalarType? norm_dtype=None) "
             "-> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)")
-_LIB.define("norm_add_bwd(Tensor dy, Tensor? dresidual_out, Tensor residual_out, Tensor? weight, Tensor rstd, "
-            "Tensor x, Tensor? x_weight, Tensor x_rstd, *, float weight_offset=0.0) "
-            "-> (Tensor dx, Tensor dresidual, Tensor? dx_weight, Tensor? dweight)")
 
 
 def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
@@ -216,51 +200,6 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
     return dx, dweight
 
 
-def backward_norm_add(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None,
-                      rstd: Tensor, x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, weight_offset: float = 0.0,
-                      traced: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``rmsnorm::norm_add_bwd`` on arguments that meet its contract: ``(dx, dresidual,
-    dx_weight, dweight)``. The kernels serve it where they serve both backwards (the sum's as
-    ``add_bwd`` would, x's as ``bwd`` would from the sum's gradient in x's dtype): in one launch
-    where ``launch.norm_add_backward_fuses`` says so, else in the two ops' launches."""
-    op = "rmsnorm.norm_add_bwd"
-    n = x.shape[-1]
-    plan = x_plan = "N = 0"
-    if n > 0:
-        plan = dispatch.backward_plan(residual_out, weight, dy.dtype, weight_offset=weight_offset,
-                                      dres_dtype=None if dresidual_out is None else dresidual_out.dtype)
-        x_plan = dispatch.backward_plan(x, x_weight, x.dtype, weight_offset=weight_offset)
-        reason = plan if type(plan) is str else x_plan if type(x_plan) is str else None
-        if reason is not None:
-            record_fallback(op, reason, compiled=traced)
-        else:
-            record_kernel(op, compiled=traced)
-    if type(plan) is str or type(x_plan) is str or x.numel() == 0:  # a fallback, or nothing to normalize
-        with _fallback_region(op, traced) if type(plan) is str and n > 0 else contextlib.nullcontext():
-            return reference.norm_add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd, x, x_weight,
-                                                        x_rstd, weight_offset)
-    if row_stride(dy) is None:
-        dy = dy.contiguous()
-    if dresidual_out is not None and row_stride(dresidual_out) is None:
-        dresidual_out = dresidual_out.contiguous()
-    weight = None if weight is None else weight.contiguous()
-    x_weight = None if x_weight is None else x_weight.contiguous()
-    rstd, x_rstd = rstd.contiguous(), x_rstd.contiguous()
-    dresidual = torch.empty(residual_out.shape, dtype=residual_out.dtype, device=x.device)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight, dx_weight = (None if w is None else torch.empty(w.shape, dtype=w.dtype, device=w.device)
-                          for w in (weight, x_weight))
-    launch = _launch()
-    if launch.norm_add_backward_fuses(plan, x_plan, residual_out, x, dy, dresidual_out):
-        launch.backward_norm_add(plan, dy, dresidual_out, residual_out, weight, rstd, x, x_weight, x_rstd,
-                                 dresidual, dx, dweight, dx_weight, traced=traced)
-    else:
-        launch.backward(plan, dy, residual_out, weight, rstd, dresidual, dweight, dresidual_out, traced=traced)
-        x_dy = dresidual if dresidual.dtype == x.dtype else dresidual.to(x.dtype)
-        launch.backward(x_plan, x_dy, x, x_weight, x_rstd, dx, dx_weight, traced=traced)
-    return dx, dresidual, dx_weight, dweight
-
-
 # --- implementations, fakes ----------------------------------------------------------------
 
 
@@ -298,16 +237,7 @@ def _norm_add_fwd(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: f
     return forward_norm_add(x, residual, x_weight, x_eps, weight, eps, weight_offset, norm_dtype, traced=traced)
 
 
-def _norm_add_bwd(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None,
-                  rstd: Tensor, x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, *, weight_offset: float = 0.0,
-                  traced: bool = False) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    check_norm_add_backward_args(dy, dresidual_out, residual_out, weight, rstd, x, x_weight, x_rstd)
-    return backward_norm_add(dy, dresidual_out, residual_out, weight, rstd, x, x_weight, x_rstd, weight_offset,
-                             traced=traced)
-
-
-_IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd, "norm_add_fwd": _norm_add_fwd,
-          "norm_add_bwd": _norm_add_bwd}
+_IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd, "norm_add_fwd": _norm_add_fwd}
 for _name, _impl in _IMPLS.items():
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
 
@@ -358,21 +288,10 @@ def _(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)))
 
 
-@torch.library.register_fake("rmsnorm::norm_add_bwd", lib=_LIB)
-def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor,
-      x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, *,
-      weight_offset: float = 0.0) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    check_norm_add_backward_args(dy, dresidual_out, residual_out, weight, rstd, x, x_weight, x_rstd)
-    _launch().register_kernels_for_cache_key("rmsnorm::norm_add_bwd")  # before AOTAutograd keys its cache
-    return (x.new_empty(x.shape), residual_out.new_empty(residual_out.shape),
-            None if x_weight is None else x_weight.new_empty(x_weight.shape),
-            None if weight is None else weight.new_empty(weight.shape))
-
-
 # --- compiled graphs: decomposition into the kernels' launches ---------------------------------
 
 # Where each op's x (the tensor whose device decides) sits in its arguments.
-_X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2, "norm_add_fwd": 0, "norm_add_bwd": 5}
+_X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2, "norm_add_fwd": 0}
 _PLAIN_TYPES = (Tensor, torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
 
 
@@ -413,16 +332,11 @@ for _name in _IMPLS:
 # --- autograd --------------------------------------------------------------------------------
 
 
-def _creating_graph() -> bool:
-    """Whether a backward runs with ``create_graph=True`` in eager mode."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
-
-
 def _double_backward(op: str) -> bool:
     """Whether this backward runs with ``create_graph=True`` (eager): its result must itself be
     differentiable, which the kernels' is not, so the reference formula serves it, as a
     fallback under the policy."""
-    if _creating_graph():
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         record_fallback(op, "create_graph=True: the gradient is differentiated again")
         return True
     return False
@@ -513,16 +427,10 @@ def _norm_add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
 
 def _norm_add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None,
                        _dx_rstd: Tensor | None):
-    """The gradients of ``add_fwd`` (the sum's) and then of ``fwd`` (x's norm): ``norm_add_bwd``
-    where x's are needed too, else (or under ``create_graph=True``) the ops' backwards one after
-    the other."""
+    """The gradients of ``add_fwd`` (the sum's) and then of ``fwd`` (x's norm): the ops'
+    backward ops, one after the other."""
     x, x_weight, x_rstd, residual_out, weight, rstd = ctx.saved_tensors
     need_x, need_r, need_xw, _, need_w, _ = ctx.needs_input_grad
-    if dy is not None and (need_x or need_xw) and not _creating_graph():
-        dx, dsum, dx_weight, dweight = torch.ops.rmsnorm.norm_add_bwd(
-            dy, dresidual_out, residual_out, weight, rstd, x, x_weight, x_rstd, weight_offset=ctx.weight_offset)
-        return ((dx if need_x else None), (dsum.to(ctx.residual_dtype) if need_r else None),
-                (dx_weight if need_xw else None), None, (dweight if need_w else None), None)
     dsum, dweight = _sum_grads(dy, dresidual_out, residual_out, weight, rstd, ctx.eps, ctx.weight_offset)
     if dsum is None:
         return None, None, None, None, None, None

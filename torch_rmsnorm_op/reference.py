@@ -127,15 +127,3 @@ def add_rms_norm_backward(
     if dresidual_out is not None:
         dx = dx + dresidual_out  # in the computation dtype, rounded once below
     return dx.to(residual_out.dtype), dweight
-
-
-def norm_add_rms_norm_backward(
-    dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor,
-    x: Tensor, x_weight: Tensor | None, x_rstd: Tensor, weight_offset: float = 0.0,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
-    """``(dx, dresidual, dx_weight, dweight)`` of ``norm_add_rms_norm_forward``: the sum's
-    gradient (``add_rms_norm_backward``; the residual's, in residual_out's dtype), then x's
-    norm's backward from it in x's dtype."""
-    dresidual, dweight = add_rms_norm_backward(dy, dresidual_out, residual_out, weight, rstd, weight_offset)
-    dx, dx_weight = rms_norm_backward(dresidual.to(x.dtype), x, x_weight, x_rstd, weight_offset)
-    return dx, dresidual, dx_weight, dweight

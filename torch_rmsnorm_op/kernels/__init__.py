@@ -14,8 +14,7 @@ backward adds the gradient that reached that sum (``HAS_DRES``) into dx.
 
 - ``rows.py``: a program holds ``ROWS`` whole rows in registers (forward, and the norm-add
   forward: ``rmsnorm(residual + rmsnorm(x))``, Gemma's norms around a residual add), or walks a
-  group of rows holding one tile at a time (backward, with a dweight partial row per group; and
-  the norm-add backward, both norms' per tile);
+  group of rows holding one tile at a time (backward, with a dweight partial row per group);
 - ``looped.py``: forward, one row per program in ``BLOCK_N`` steps, two passes over the row;
 - ``split.py``: rows too long for one program: ``SPLIT`` programs share a row and exchange
   their partial sums (forward and backward);
@@ -27,16 +26,10 @@ first launch, so ``TRITON_INTERPRET`` may be set any time before that.
 
 from torch_rmsnorm_op.kernels.looped import _rms_norm_fwd_looped
 from torch_rmsnorm_op.kernels.reduce import _rms_norm_dw_reduce
-from torch_rmsnorm_op.kernels.rows import (
-    _rms_norm_bwd_norm_add_rows,
-    _rms_norm_bwd_rows,
-    _rms_norm_fwd_norm_add_rows,
-    _rms_norm_fwd_rows,
-)
+from torch_rmsnorm_op.kernels.rows import _rms_norm_bwd_rows, _rms_norm_fwd_norm_add_rows, _rms_norm_fwd_rows
 from torch_rmsnorm_op.kernels.split import _rms_norm_bwd_split, _rms_norm_fwd_split
 
 __all__ = [
-    "_rms_norm_bwd_norm_add_rows",
     "_rms_norm_bwd_rows",
     "_rms_norm_bwd_split",
     "_rms_norm_dw_reduce",

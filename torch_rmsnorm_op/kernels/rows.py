@@ -7,9 +7,7 @@ the sum, all in registers: x and the residual read once, the sum and y written o
 
 Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile at a
 time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is groups x
-N, never M x N; ``reduce.py`` sums the partials in a fixed order). The norm-add backward runs
-the sum's norm's backward and then x's on each tile: the sum's gradient is written once and
-not read back.
+N, never M x N; ``reduce.py`` sums the partials in a fixed order).
 """
 
 import triton
@@ -240,93 +238,3 @@ def _rms_norm_bwd_rows(
         tl.store(DX + rows[:, None] * dx_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
-
-
-@triton.jit
-def _rms_norm_bwd_norm_add_rows(
-    DY,  # gradient of y [M, N], row stride dy_stride
-    DY2,  # more terms of it, as in _rms_norm_bwd_rows (read if DY_TERMS > 1)
-    DY3,  # (read if DY_TERMS > 2)
-    H,  # residual_out = residual + rmsnorm(x) [M, N], row stride h_stride
-    W,  # weight [N] of the sum's norm (read if HAS_WEIGHT)
-    RSTD,  # [M] fp32, the sum's
-    DRES,  # gradient that reached residual_out [M, N], row stride dy_stride (read if HAS_DRES)
-    X,  # x [M, N], row stride x_stride
-    XW,  # x's weight [N] (read if HAS_X_WEIGHT)
-    X_RSTD,  # [M] fp32, x's
-    DS,  # output: the sum's gradient [M, N] (the residual's; dy of x's norm), row stride dx_stride
-    DX,  # output: x's gradient [M, N], row stride dx_stride
-    DW_PARTIAL,  # scratch [row groups, N] fp32: the sum's weight's dweight partials (or dweight itself)
-    DXW_PARTIAL,  # the same for x's weight
-    M,
-    N,
-    rows_per_group,
-    h_stride,
-    x_stride,
-    dy_stride,
-    dx_stride,
-    BLOCK_N: tl.constexpr,
-    ROWS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_X_WEIGHT: tl.constexpr,
-    HAS_DRES: tl.constexpr,
-    COUNTED_LOOP: tl.constexpr,
-    STAGES: tl.constexpr,
-    WEIGHT_OFFSET: tl.constexpr,  # both weights scale as w + WEIGHT_OFFSET
-    ACC_ROWS: tl.constexpr,
-    DY_TERMS: tl.constexpr,
-):
-    """The norm-add forward's backward: per tile, _rms_norm_bwd_rows of the sum's norm (with the
-    residual's gradient added), its result rounded and stored, then _rms_norm_bwd_rows of x's
-    norm from that result in registers: the two launches' arithmetic, without reading the
-    sum's gradient back."""
-    group = tl.program_id(0).to(tl.int64)
-    row_start = group * rows_per_group
-    row_end = tl.minimum(row_start + rows_per_group, M)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    if HAS_WEIGHT:
-        w = _weight(tl.load(W + cols, mask=col_mask, other=0.0), WEIGHT_OFFSET)
-    if HAS_X_WEIGHT:
-        xw = _weight(tl.load(XW + cols, mask=col_mask, other=0.0), WEIGHT_OFFSET)
-    dw_acc = tl.zeros([ACC_ROWS, BLOCK_N], dtype=tl.float32)
-    dxw_acc = tl.zeros([ACC_ROWS, BLOCK_N], dtype=tl.float32)
-    if COUNTED_LOOP:
-        loop_start, loop_end, base = 0, rows_per_group, row_start
-    else:
-        loop_start, loop_end, base = row_start, row_end, 0
-    for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
-        rows = base + first + tl.arange(0, ROWS)
-        row_mask = rows < row_end
-        mask = row_mask[:, None] & col_mask[None, :]
-        dy_offs = rows[:, None] * dy_stride + cols[None, :]
-        dx_offs = rows[:, None] * dx_stride + cols[None, :]
-        # the sum's norm
-        h = _load_f32(H + rows[:, None] * h_stride + cols[None, :], mask, "")
-        dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "", DY_TERMS).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-        u = dy
-        if HAS_WEIGHT:
-            u = dy * w[None, :]
-            dw_acc = _accumulate(dw_acc, dy * h * rstd[:, None], ACC_ROWS)
-        c = tl.sum(u * h, axis=1) / N
-        ds = (u - h * (rstd * rstd * c)[:, None]) * rstd[:, None]
-        if HAS_DRES:
-            ds += _load_f32(DRES + dy_offs, mask, "")
-        ds = ds.to(DS.dtype.element_ty)
-        tl.store(DS + dx_offs, ds, mask=mask)
-        # x's norm, from the sum's gradient as stored
-        dy = ds.to(tl.float32)
-        x = _load_f32(X + rows[:, None] * x_stride + cols[None, :], mask, "")
-        rstd = tl.load(X_RSTD + rows, mask=row_mask, other=0.0)
-        u = dy
-        if HAS_X_WEIGHT:
-            u = dy * xw[None, :]
-            dxw_acc = _accumulate(dxw_acc, dy * x * rstd[:, None], ACC_ROWS)
-        c = tl.sum(u * x, axis=1) / N
-        dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
-        tl.store(DX + dx_offs, dx.to(DX.dtype.element_ty), mask=mask)
-    if HAS_WEIGHT:
-        _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_PARTIAL, group, N, cols, col_mask, 1, 0, False)
-    if HAS_X_WEIGHT:
-        _store_partial(tl.sum(dxw_acc, axis=0), DXW_PARTIAL, DXW_PARTIAL, group, N, cols, col_mask, 1, 0, False)
