@@ -200,6 +200,40 @@ def test_a_graph_with_dynamic_shapes_fuses_its_residual_adds():
     torch.testing.assert_close(gm(*inputs), want)
 
 
+def _gemma3_tiny(layers: int = 1):
+    cfg = transformers.Gemma3TextConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(cfg).eval()
+
+
+def test_a_model_compiled_with_a_dynamic_batch_fuses_in_one_graph_for_every_batch_size():
+    """A patched 1-layer Gemma 3 compiled with Inductor and its batch dim dynamic
+    (``mark_dynamic``): one graph serves batch sizes 2, 3 and 5, and it holds both rewrites'
+    ops (the residual adds fused, then the norms around them joined: 2 ``norm_add_fwd``) on a
+    graph of symbolic sizes; each batch's logits and gradients match the unpatched model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    stock = _gemma3_tiny()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(patched, backend=counter, fullgraph=True)
+    for batch in (2, 3, 5):
+        ids = torch.randint(0, 64, (batch, 8), generator=torch.Generator().manual_seed(batch))
+        torch._dynamo.mark_dynamic(ids, 0)
+        if batch == 2:
+            out, code = _code(lambda i: compiled(input_ids=i, labels=i), ids)
+            assert (_calls(code, "norm_add_fwd"), _calls(code, "add_fwd")) == (2, 0)
+        else:
+            out = compiled(input_ids=ids, labels=ids)
+        for p in (*stock.parameters(), *patched.parameters()):
+            p.grad = None
+        _assert_matches_stock(out, stock, patched, ids)
+    assert counter.frame_count == 1
+
+
 def _rope(q, cos, sin):
     half = q.shape[-1] // 2
     return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
@@ -354,11 +388,7 @@ def test_gemma3_norms_around_each_residual_add_run_as_one_op():
     ``pre_feedforward_layernorm``, the norm after the MLP the last add and the final norm: 2
     ``norm_add_fwd``, no ``add_fwd`` left; logits and every gradient match the unpatched
     model. (Gemma 2, and 2 layers: ``test_families_leave_to_inductor_...``.)"""
-    cfg = transformers.Gemma3TextConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa")
-    torch.manual_seed(0)
-    stock = transformers.Gemma3ForCausalLM(cfg).eval()
+    stock = _gemma3_tiny()
     patched = copy.deepcopy(stock)
     T.patch_rmsnorm(patched)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
