@@ -172,24 +172,37 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "granite": ("GraniteConfig", "GraniteForCausalLM"),
+    "helium": ("HeliumConfig", "HeliumForCausalLM"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
 }
 DEFAULT_MODELS = ("llama", "qwen3", "mistral")
-# Phi3's defaults put pad and eos at id 32000, outside a 32000-token vocabulary.
-FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None}}
+# Phi3's and GLM 4's defaults put pad and eos at ids outside a 32000-token vocabulary.
+FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None},
+                                            "glm4": {"pad_token_id": None, "eos_token_id": None}}
 # Families whose attention normalizes q and k per head (rows of head_dim).
-QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3"})
+QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3", "exaone4"})
 # Families whose layers also normalize the attention's and the MLP's outputs before the
-# residual add (Gemma 3's four norms a layer: input, post-attention, pre- and post-feedforward).
-SANDWICH_NORM_FAMILIES = frozenset({"gemma3"})
-# Families with norms after attention and MLP only (no input norms), q and k normalized over
-# all heads at once (OLMo 2): the final norm is the only one a residual add feeds.
-POST_NORM_FAMILIES = frozenset({"olmo2"})
-# Families whose attention and MLP inputs each feed one fused projection (qkv_proj, gate_up_proj):
-# their norms' outputs have one consumer, where the others' have three (q, k, v) and two (gate, up).
-FUSED_PROJECTION_FAMILIES = frozenset({"phi3"})
+# residual add (Gemma 3's four norms a layer: input, post-attention, pre- and post-feedforward;
+# GLM 4's input, post-self-attention, post-attention and post-MLP).
+SANDWICH_NORM_FAMILIES = frozenset({"gemma3", "glm4"})
+# Their names: the MLP's input norm, the attention's output norm, the MLP's output norm.
+SANDWICH_NORM_NAMES: dict[str, tuple[str, str, str]] = {
+    "gemma3": ("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm"),
+    "glm4": ("post_attention_layernorm", "post_self_attn_layernorm", "post_mlp_layernorm"),
+}
+# Families with norms after attention and MLP only (no input norms): the final norm is the only
+# one a residual add feeds. Their q and k norms are over all heads at once (OLMo 2 and 3), or
+# per head where the family is in QK_NORM_FAMILIES (EXAONE 4).
+POST_NORM_FAMILIES = frozenset({"olmo2", "olmo3", "exaone4"})
+# The projections an attention input norm's and an MLP input norm's output feed, where not
+# (q, k, v) and (gate, up): one fused qkv_proj / gate_up_proj each. A norm's backward receives
+# the sum of their gradients.
+PROJECTIONS: dict[str, tuple[int, int]] = {"phi3": (1, 1), "glm4": (3, 1)}
 
 VOCAB = 32000
 EPS = 1e-6
@@ -296,32 +309,34 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
 
     Layer 0's input norm reads the embedding; every other hidden-size norm (each layer's
     post-attention norm, the input norm of layers 1.., the final norm) reads a residual sum
-    the decoder has just formed. Qwen3 and Gemma 3 also normalize q and k per head: rows of
+    the decoder has just formed. ``QK_NORM_FAMILIES`` also normalize q and k per head: rows of
     head_dim. An input norm's output feeds the q, k and v projections, a post-attention norm's
-    the MLP's gate and up projections (one fused projection each in
-    ``FUSED_PROJECTION_FAMILIES``), the final norm's the LM head. Gemma 3 normalizes the
-    attention's and MLP's outputs too (their norms read no residual; the MLP's input norm is
-    its pre-feedforward norm); OLMo 2 has those output norms and q/k norms over all heads, and
-    no input norms."""
+    the MLP's gate and up projections (fused ones in ``PROJECTIONS``), the final norm's the LM
+    head. ``SANDWICH_NORM_FAMILIES`` normalize the attention's and MLP's outputs too (their
+    norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
+    and their q/k norms over all heads unless they normalize per head."""
     if spec.family in POST_NORM_FAMILIES:
-        return [
-            NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
-            NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers),
+        sites = [
             NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
             NormSite("post_feedforward_layernorm", tokens, spec.hidden, False, spec.layers),
             NormSite("norm", tokens, spec.hidden, True, 1),
         ]
-    attention, mlp = (1, 1) if spec.family in FUSED_PROJECTION_FAMILIES else (3, 2)
-    sites = [
-        NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
-        NormSite("input_layernorm (layers 1..)", tokens, spec.hidden, True, spec.layers - 1, attention),
-        NormSite("post_attention_layernorm", tokens, spec.hidden, True, spec.layers, mlp),
-        NormSite("norm", tokens, spec.hidden, True, 1),
-    ]
+        if spec.family not in QK_NORM_FAMILIES:
+            return [NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
+                    NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers), *sites]
+    else:
+        attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
+        sites = [
+            NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
+            NormSite("input_layernorm (layers 1..)", tokens, spec.hidden, True, spec.layers - 1, attention),
+            NormSite("post_attention_layernorm", tokens, spec.hidden, True, spec.layers, mlp),
+            NormSite("norm", tokens, spec.hidden, True, 1),
+        ]
     if spec.family in SANDWICH_NORM_FAMILIES:  # the attention's and MLP's outputs, then the adds
-        sites[2] = NormSite("pre_feedforward_layernorm", tokens, spec.hidden, True, spec.layers, mlp)
-        sites += [NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
-                  NormSite("post_feedforward_layernorm", tokens, spec.hidden, False, spec.layers)]
+        mlp_input, attention_output, mlp_output = SANDWICH_NORM_NAMES[spec.family]
+        sites[2] = NormSite(mlp_input, tokens, spec.hidden, True, spec.layers, mlp)
+        sites += [NormSite(attention_output, tokens, spec.hidden, False, spec.layers),
+                  NormSite(mlp_output, tokens, spec.hidden, False, spec.layers)]
     if spec.family in QK_NORM_FAMILIES:
         sites += [NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, spec.layers),
                   NormSite("k_norm", tokens * spec.kv_heads, spec.head_dim, False, spec.layers)]
