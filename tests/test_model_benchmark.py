@@ -124,6 +124,24 @@ def test_norm_byte_floor_with_gradient_terms_by_hand():
     assert mb.norm_byte_floor(phi3, 10, "train", with_grad_terms=True) == mb.norm_byte_floor(phi3, 10, "train")
 
 
+def test_norm_sites_say_what_each_norm_reads_and_feeds():
+    """By hand, per site (name, rows, residual add before it, gradient terms): GLM 4's sandwich
+    norms (the MLP input norm after the residual add, feeding one fused gate-up projection) and
+    EXAONE 4's post norms with q/k norms per head (rows of head_dim)."""
+    def sites(family):
+        spec = mb.ModelSpec(family, hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+        return [(s.name, s.rows, s.residual, s.grad_terms, s.count) for s in mb.norm_sites(spec, 10)]
+
+    assert sites("glm4") == [
+        ("input_layernorm (layer 0)", 10, False, 3, 1), ("input_layernorm (layers 1..)", 10, True, 3, 1),
+        ("post_attention_layernorm", 10, True, 1, 2), ("norm", 10, True, 1, 1),
+        ("post_self_attn_layernorm", 10, False, 1, 2), ("post_mlp_layernorm", 10, False, 1, 2)]
+    assert sites("exaone4") == [
+        ("post_attention_layernorm", 10, False, 1, 2), ("post_feedforward_layernorm", 10, False, 1, 2),
+        ("norm", 10, True, 1, 1), ("q_norm", 40, False, 1, 2), ("k_norm", 20, False, 1, 2)]
+    assert sites("olmo3") == sites("olmo2")
+
+
 @pytest.mark.parametrize("family", sorted(mb.FAMILIES))
 def test_norm_sites_match_the_models_modules(family):
     """The floor's site list has one site per RMSNorm module the transformers class builds, with its width."""
