@@ -315,6 +315,7 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     head. ``SANDWICH_NORM_FAMILIES`` normalize the attention's and MLP's outputs too (their
     norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
     and their q/k norms over all heads unless they normalize per head."""
+    attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
     if spec.family in POST_NORM_FAMILIES:
         sites = [
             NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
@@ -325,7 +326,6 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
             return [NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
                     NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers), *sites]
     else:
-        attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
         sites = [
             NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
             NormSite("input_layernorm (layers 1..)", tokens, spec.hidden, True, spec.layers - 1, attention),
