@@ -160,7 +160,7 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tupl
         dtype, n = getattr(torch, dtype_name), int(n)
         backward = pass_name.endswith("bwd")
         rows = m or BANDWIDTH_BYTES // (n * dtype.itemsize)
-        table = backward_config(n, dtype) if backward else forward_config(n, dtype, pass_name == "add_fwd", rows)
+        table = backward_config(n, dtype, rows) if backward else forward_config(n, dtype, pass_name == "add_fwd", rows)
         cfgs = [table]
         if near:
             try:

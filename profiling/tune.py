@@ -323,7 +323,7 @@ def main() -> None:
                   int(terms[0]) if terms else 1)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
         if job.backward:
-            cfg = backward_config(job.n, job.dtype)
+            cfg = backward_config(job.n, job.dtype, job.m)
         else:
             cfg = forward_config(job.n, job.dtype, job.residual, job.m, job.wdtype)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torch_rmsnorm_op.config import MAX_N, MAX_SPLIT, backward_config, forward_config
+from torch_rmsnorm_op.config import MAX_N, MAX_SPLIT, backward_config, fit_to_rows, forward_config
 
 
 def _lengths():
@@ -93,6 +93,23 @@ def test_forward_rungs_for_few_rows():
         assert forward_config(n, bf16, m=16, weight_dtype=fp32) == forward_config(n, bf16)
         assert forward_config(n, bf16, m=16, weight_dtype=bf16) == forward_config(n, bf16, m=16)
         assert forward_config(n, fp32, m=16, weight_dtype=bf16) == forward_config(n, fp32)
+
+
+def test_backward_rungs_for_few_rows():
+    """The N = 65-128 backward (head norms) takes 64-row tiles x 4 warps up to 32768 rows; more
+    rows, a symbolic M (None), N <= 64 and fp32 keep the rungs tuned at many rows."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    many = backward_config(128, bf16)
+    assert (many.rows, many.num_warps, many.programs_per_sm) == (32, 16, 2)
+    for m in (1, 8192, 32768):
+        few = backward_config(128, bf16, m)
+        assert (few.block_n, few.rows, few.num_warps, few.counted_loop) == (128, 64, 4, True)
+        assert fit_to_rows(few, m, torch.device("cpu")) == few  # fewer, fuller row groups at any M
+        assert backward_config(100, torch.float16, m) == few
+        assert backward_config(64, bf16, m) == backward_config(64, bf16)
+        assert backward_config(128, fp32, m) == backward_config(128, fp32)
+    assert backward_config(128, bf16, 32769) == many
+    assert backward_config(256, bf16, 16) == backward_config(256, bf16)
 
 
 def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows(device):

@@ -30,7 +30,7 @@ def mode(request, monkeypatch):
         return request.param
     fwd, bwd = MODES[request.param]
     monkeypatch.setattr(dispatch, "forward_config", lambda n, dtype, residual=False, m=None, weight_dtype=None: fwd)
-    monkeypatch.setattr(dispatch, "backward_config", lambda n, dtype: bwd)
+    monkeypatch.setattr(dispatch, "backward_config", lambda n, dtype, m=None: bwd)
     monkeypatch.setattr(dispatch, "_PLANS", {})
     return request.param
 

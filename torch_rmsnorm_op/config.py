@@ -1,5 +1,5 @@
-"""Launch configurations: one deterministic table, keyed by N and dtype (a few forward rungs
-also by the number of rows, where it is known).
+"""Launch configurations: one deterministic table, keyed by N and dtype (a few rungs also by
+the number of rows, where it is known).
 
 No run-time autotuning: a different block shape changes the order of the
 floating-point reductions, so results would stop being bit-identical from
@@ -118,8 +118,18 @@ FWD_SPLIT = ((MAX_N, 16384, 8, dict(programs_per_sm=2, stages=2, interleave=True
 FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=True)),)
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moves results by up to 12 points
-# either way, by N and dtype: bwd-loop-form.json). Figures by bench timing (near-table.json) unless marked.
+# either way, by N and dtype: bwd-loop-form.json; max_m, as the forward's). Figures by bench timing
+# (near-table.json) unless marked.
 BWD_LADDER = (
+    (64, 4096, 16, dict(programs_per_sm=2)),  # N <= 64: the N=128 rung for many rows (not measured at few)
+    # N=65-128 at up to 32768 rows (head norms of a few thousand tokens): 64 rows x 4 warps at every M, fewer and
+    # fuller row groups than fit_to_rows would make (keep_rows: at N=128 the dweight partials, one row a group,
+    # outweigh the grid): 5.79 / 7.74 / 9.93 / 13.47 us at 2048 / 8192 / 16384 / 32768 rows against the rung below's
+    # 6.85 / 9.01 / 10.53 / 15.06 as fit_to_rows cuts it, 3.93 at 256 rows (16 rows 3.73; cut to 1 row 4.98), with
+    # the residual's gradient 8.81 / 11.03 at 8192 / 16384 against 11.03 / 12.43 (n128-bwd.json in profiling/results/
+    # 2026-12-02-h200-head-norm-backward/); at 65536 rows 21.77 against the rung below's 21.83 (profiling/results/
+    # 2026-12-01-h200-forward-steps/n128-small-m.json).
+    (128, 8192, 4, dict(programs_per_sm=2, counted_loop=True, keep_rows=True, max_m=32768)),
     # N=128 (head norms: 131072 rows, sweep.json): 32 rows x 16 warps, 2 programs per SM 70.5% (the N=256 rung:
     # 55.0%).
     (128, 4096, 16, dict(programs_per_sm=2)),
@@ -228,6 +238,7 @@ class KernelConfig:
     ``reload`` (single-pass backward) reads x and dy again after the row sum;
     ``interleave`` (split mode) gives row group g rows g, g + groups, ... instead of a block of
     consecutive rows;
+    ``keep_rows`` keeps ``rows`` at every M (``fit_to_rows`` leaves it);
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory."""
 
@@ -242,6 +253,7 @@ class KernelConfig:
     stages: int = 1
     mask_free: bool = False
     interleave: bool = False
+    keep_rows: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -282,8 +294,8 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
     """``cfg`` with fewer rows per program where M is small, so that the grid still spreads over
     the multiprocessors: at 16 rows of 2048 a rung's 8 rows per program left 2 programs doing all
     the work. A single-pass forward keeps at least one program per SM while it can; the backward
-    (``row_groups``) at least one row group per SM."""
-    if cfg.split > 1 or cfg.looped or cfg.rows == 1 or type(m) is not int:
+    (``row_groups``) at least one row group per SM; a ``keep_rows`` configuration stays as it is."""
+    if cfg.split > 1 or cfg.looped or cfg.rows == 1 or cfg.keep_rows or type(m) is not int:
         return cfg
     target = sm_count(device) * (cfg.programs_per_sm if cfg.programs_per_sm > 1 else 1)
     rows = cfg.rows
@@ -293,9 +305,21 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
     return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows)
 
 
-# The row counts at which the forward's choice can change (its rungs' ``max_m``), ascending.
-_FWD_ROW_BOUNDS = tuple(sorted({o["max_m"] for ladder in (FWD_LADDER, FWD_LADDER_FP32) for *_, o in ladder
-                                if "max_m" in o}))
+def _row_bounds(*ladders: tuple) -> tuple[int, ...]:
+    """The row counts at which a choice over ``ladders`` can change (their rungs' ``max_m``), ascending."""
+    return tuple(sorted({o["max_m"] for ladder in ladders for *_, o in ladder if "max_m" in o}))
+
+
+_FWD_ROW_BOUNDS = _row_bounds(FWD_LADDER, FWD_LADDER_FP32)
+_BWD_ROW_BOUNDS = _row_bounds(BWD_LADDER, BWD_LADDER_FP32)
+
+
+def _bound_rows(m: int | torch.SymInt | None, bounds: tuple[int, ...]) -> int | None:
+    """``m`` as the ladders see it: the first bound at or above it, so that every M up to a bound
+    shares one cached configuration; None where M is not a known int or above every bound."""
+    if type(m) is not int:
+        return None
+    return next((bound for bound in bounds if m <= bound), None)
 
 
 def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | torch.SymInt | None = None,
@@ -307,11 +331,9 @@ def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | 
     each program one row, which reads the whole weight once a row, and were tuned with a weight
     as wide as x (at 2048 x 2048 bf16 with an fp32 weight, 1 row x 4 warps took 7.64 us against
     the many-rows rung's 7.16; profiling/results/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
-    if type(m) is not int or (weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize):
+    if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
         m = None
-    if m is not None:  # the same configuration for every m up to the next bound
-        m = next((bound for bound in _FWD_ROW_BOUNDS if m <= bound), None)
-    return _forward_config(n, dtype, residual, m)
+    return _forward_config(n, dtype, residual, _bound_rows(m, _FWD_ROW_BOUNDS))
 
 
 @functools.cache
@@ -321,12 +343,18 @@ def _forward_config(n: int, dtype: torch.dtype, residual: bool, m: int | None) -
     return _config(n, FWD_LADDER, FWD_SPLIT, residual, m)
 
 
+def backward_config(n: int, dtype: torch.dtype, m: int | torch.SymInt | None = None) -> KernelConfig:
+    """Backward (dx + dweight partials) launch shape for rows of length ``n`` of ``dtype``, over
+    ``m`` rows: where M is not an int (None, or symbolic while tracing) the rungs tuned at many
+    rows serve."""
+    return _backward_config(n, dtype, _bound_rows(m, _BWD_ROW_BOUNDS))
+
+
 @functools.cache
-def backward_config(n: int, dtype: torch.dtype) -> KernelConfig:
-    """Backward (dx + dweight partials) launch shape for rows of length ``n``."""
+def _backward_config(n: int, dtype: torch.dtype, m: int | None) -> KernelConfig:
     if dtype.itemsize == 4:
-        return _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32)
-    return _config(n, BWD_LADDER, BWD_SPLIT)
+        return _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32, m=m)
+    return _config(n, BWD_LADDER, BWD_SPLIT, m=m)
 
 
 @functools.cache

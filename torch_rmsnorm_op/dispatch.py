@@ -168,7 +168,7 @@ def backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, *, we
             return reason
         n = int(x.shape[-1])
         m = x.numel() // n
-        return Plan(fit_to_rows(backward_config(n, x.dtype), m, x.device), layout, m, n,
+        return Plan(fit_to_rows(backward_config(n, x.dtype, m), m, x.device), layout, m, n,
                     weight_offset=float(weight_offset))
 
     if not _is_concrete(x):
