@@ -9,10 +9,13 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from tolerances import TOL, few_roundings
 
 from torch_rmsnorm_op import dispatch, launch, reference
 from torch_rmsnorm_op.config import KernelConfig
+from torch_rmsnorm_op.kernels.common import _bf16_exact
 from torch_rmsnorm_op.layout import row_layout
 
 EPS = 1e-6
@@ -153,3 +156,26 @@ def test_backward_rejects_unlike_gradient_terms(device):
     for more in ((dy.double(),), (torch.randn(8, 4, device=device).t(),), (dy, dy, dy)):
         with pytest.raises(ValueError, match="dy_terms"):
             launch.backward(plan, dy, x, w, rstd, dx, dw, dy_terms=more)
+
+
+@triton.jit
+def _bf16_exact_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    tl.store(Y + offs, _bf16_exact(tl.load(X + offs, mask=mask)), mask=mask)
+
+
+def test_bf16_exact_rounds_as_a_cast_does(device):
+    """``kernels.common._bf16_exact`` (the norm-add kernel's rounding, kept from a following
+    add's contraction) against torch's fp32 -> bf16 cast: ties to even both ways, the largest
+    finite values, overflow to infinity, subnormals, signed zeros, infinities and NaN."""
+    bits = [0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F807FFF, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x00008000,
+            0x00018000, 0x00000001, 0x807FFFFF, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0xFF7FFFFF]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([special, torch.randn(4096) * 10.0 ** torch.randint(-30, 30, (4096,)).float()]).to(device)
+    x = torch.cat([x, torch.tensor([float("nan")], device=device)])
+    y = torch.empty_like(x)
+    _bf16_exact_kernel[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK=1024)
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(y[:-1], want[:-1]) and torch.equal(y[:-1].view(torch.int32), want[:-1].view(torch.int32))
+    assert y[-1].isnan()

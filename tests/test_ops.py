@@ -797,8 +797,8 @@ def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configura
     """``launch.norm_add_fuses`` on the table's plans: N = 2,048 and 5,120 up to 1,024 rows
     (the few-rows rungs, single-pass with and without a residual), not 5,120 at 2,048 rows
     (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both); nor
-    rows that are not contiguous, nor a tensor that does not start 16-byte aligned, nor a norm
-    rounded before its weight, nor fp32 rows."""
+    rows that are not contiguous, nor a tensor that does not start 16-byte aligned, nor fp16
+    rows rounded before their weight, nor fp32 rows; bf16 rows rounded before their weight do."""
     bf16 = torch.bfloat16
 
     def fuses(m, n):
@@ -814,9 +814,14 @@ def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configura
     assert not _norm_add_fuses(x.view(-1)[1:2048 * 2048 + 1].view(2048, 2048), r[:, :2048].contiguous(), w, w)
     x, r = (torch.empty(16, 2048, dtype=bf16, device=device) for _ in range(2))
     assert _norm_add_fuses(x, r, w, w)
-    # rounded before the weight, or fp32: the norm's multiply and the add could contract
-    assert not launch.norm_add_fuses(dispatch.forward_plan(x, w, norm_dtype=bf16),
-                                     dispatch.forward_plan(r, w, x, norm_dtype=bf16), x, r)
+    # rounded before the weight: bf16 by the kernel's integer rounding; fp16, or fp32 rows, could contract
+    assert launch.norm_add_fuses(dispatch.forward_plan(x, w, norm_dtype=bf16),
+                                 dispatch.forward_plan(r, w, x, norm_dtype=bf16), x, r)
+    assert not launch.norm_add_fuses(dispatch.forward_plan(x, w, norm_dtype=torch.float16),
+                                     dispatch.forward_plan(r, w, x, norm_dtype=torch.float16), x, r)
+    h, hr, hw = x.half(), r.half(), w.half()
+    assert not launch.norm_add_fuses(dispatch.forward_plan(h, hw, norm_dtype=torch.float16),
+                                     dispatch.forward_plan(hr, hw, h, norm_dtype=torch.float16), h, hr)
     x, r = x.float(), r.float()
     assert not _norm_add_fuses(x, r, w.float(), w.float())
 
@@ -860,15 +865,21 @@ def test_norm_add_in_float64_is_the_counted_reference(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m,n", [(16, 2048), (2048, 2048), (8192, 1152), (1024, 5120), (2048, 5120), (4096, 5376)])
-def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n):
-    """Gemma's widths and token counts, bf16, the weight offset: one kernel (all but 2,048 x
-    5,120, which takes two launches) with the two ops' values, bit for bit."""
+@pytest.mark.parametrize("family", ["gemma", "glm4"])
+@pytest.mark.parametrize("m,n", [(16, 2048), (2048, 2048), (8192, 1152), (8192, 4096), (1024, 5120), (2048, 5120),
+                                 (4096, 5376), (2048, 6144)])
+def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n, family):
+    """Gemma's and GLM 4's widths and token counts, bf16, with Gemma's weight offset or GLM 4's
+    rounding before the weight: one kernel where both norms take one single-pass configuration
+    (not 2,048 x 5,120, nor the looped 8,192 x 4,096 and 6,144), with the two ops' values, bit
+    for bit."""
+    kw = {"weight_offset": 1.0} if family == "gemma" else {"norm_dtype": torch.bfloat16}
     x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    w1, w2 = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 for _ in range(2))
-    got = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, 1e-6, w2, 1e-6, weight_offset=1.0)
-    y1, x_rstd = torch.ops.rmsnorm.fwd(x, w1, 1e-6, weight_offset=1.0)
-    want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-6, weight_offset=1.0), x_rstd)
+    w1, w2 = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 + (family == "glm4") for _ in range(2))
+    got = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, 1e-6, w2, 1e-6, **kw)
+    y1, x_rstd = torch.ops.rmsnorm.fwd(x, w1, 1e-6, **kw)
+    want = (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-6, **kw), x_rstd)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert _norm_add_fuses(x, r, w1, w2) == ((m, n) != (2048, 5120))
+    fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w1, **kw), dispatch.forward_plan(r, w2, x, **kw), x, r)
+    assert fuses == ((m, n) not in ((2048, 5120), (8192, 4096), (2048, 6144)))

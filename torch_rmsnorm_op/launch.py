@@ -146,17 +146,19 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
       writes does), so that Triton lays out their loads, and the sums of squares over them, as
       in the two kernels (on CUDA, x's rows 40 elements apart beside a contiguous residual's
       33 gave another y);
-    - x's norm is rounded to x's 2-byte dtype only after its weight (no ``norm_dtype``): the
-      rounding then separates the norm's last multiply from the add. With ``norm_dtype`` the
-      compiler multiplies and adds in one fused multiply-add where the two kernels round the
-      product first (on CUDA, bf16: a quarter of the sums differed in their last place); fp32
-      x leaves the product unrounded, so the same contraction is free to happen.
+    - x has a 2-byte dtype, and its norm is rounded to it only after its weight (no
+      ``norm_dtype``), or, for bf16 x, also before it (``norm_dtype=bfloat16``, the Llama
+      family's order), where the kernel rounds the product by integer operations
+      (``kernels.common._bf16_exact``). Rounded by a cast, the product of two bf16 values met
+      the add in one fused multiply-add where the two kernels round it first (on CUDA a quarter
+      of the sums differed in their last place); fp16 x with ``norm_dtype`` has no such
+      rounding, and fp32 x leaves the product unrounded, free for the same contraction.
 
     A tensor traced for a compiled graph counts as aligned, as Inductor assumes its buffers are."""
     cfg = plan.cfg
     if cfg != sum_plan.cfg or cfg.looped or cfg.split > 1:
         return False
-    if x.dtype.itemsize != 2 or plan.round_code != 0:
+    if x.dtype.itemsize != 2 or plan.round_code not in (0, 2 if x.dtype == torch.bfloat16 else 0):
         return False
     contiguous = (1, 1, 1, plan.n, 0, 0)
     if tuple(plan.layout) != contiguous or tuple(sum_plan.layout) != contiguous:

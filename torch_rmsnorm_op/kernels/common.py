@@ -41,6 +41,18 @@ def _round(y, ROUND: tl.constexpr):
 
 
 @triton.jit
+def _bf16_exact(y):
+    """``y`` (fp32) rounded to the nearest bf16 (ties to even) as ``y.to(tl.bfloat16)`` rounds it,
+    returned as fp32, by integer operations on its bits. An add that follows sees an fp32 value of
+    unknown origin: after a cast, the compiler turns an fp32 product of two bf16 values (exact)
+    rounded to bf16 into a bf16 multiply, which a bf16 add then joins into one fused multiply-add
+    that rounds once, where two kernels, the product stored between them, round twice."""
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return tl.where(y != y, y, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def _weight(w, WEIGHT_OFFSET: tl.constexpr):
     """The weight as it scales the row: ``w + WEIGHT_OFFSET`` in fp32 (Gemma's ``1 + w``)."""
     w = w.to(tl.float32)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from torch_rmsnorm_op.kernels.common import (
+    _bf16_exact,
     _load_dy,
     _load_f32,
     _residual_sum,
@@ -139,7 +140,11 @@ def _rms_norm_fwd_norm_add_rows(
     xw = 0.0
     if HAS_X_WEIGHT:
         xw = _weight(tl.load(XW + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
-    x_normed = _scale(x, x_rstd[:, None], xw, HAS_X_WEIGHT, ROUND).to(x_normed_ty)
+    x_normed = _scale(x, x_rstd[:, None], xw, HAS_X_WEIGHT, ROUND)
+    if ROUND == 2:  # bf16 x, rounded before its weight too (the launcher's rule): kept from the add's contraction
+        x_normed = _bf16_exact(x_normed)
+    else:
+        x_normed = x_normed.to(x_normed_ty)
     # then the op with a residual on (residual, x_normed)
     h = _residual_sum(x_normed, r, H.dtype.element_ty)
     tl.store(H + rows[:, None] * h_stride + cols[None, :], h, mask=mask)
