@@ -1,7 +1,10 @@
-"""Norm, residual add, norm (Gemma's norms around each residual add), three ways, on CUDA:
-``python profiling/norm_add.py --out FILE [--rows 16,2048,8192,16384] [--cols 1152,2048,...]``.
+"""Norm, residual add, norm (Gemma's and GLM 4's norms around each residual add), three ways, on
+CUDA: ``python profiling/norm_add.py --out FILE [--family gemma|glm4] [--rows 16,2048,8192,16384]
+[--cols 1152,2048,...]``.
 
-Per (M, N), bf16, Gemma's weight offset (``1 + w``), eps 1e-6:
+Per (M, N), bf16, eps 1e-6, in the family's order: Gemma's weight offset (``1 + w``, the
+normalized row rounded after it), or GLM 4's (Llama's) ``w * normed.to(bf16)``, rounded before the
+weight (``norm_dtype=bfloat16``):
 
 - ``fused_us``: ``torch.ops.rmsnorm.norm_add_fwd`` (one kernel where both norms share a
   single-pass configuration, else the two ops' launches);
@@ -39,19 +42,28 @@ def _gemma_norm(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (out * (1.0 + w.float())).type_as(t)
 
 
+def _glm4_norm(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    tf = t.float()
+    return w * (tf * torch.rsqrt(tf.pow(2).mean(-1, keepdim=True) + EPS)).to(t.dtype)
+
+
+FAMILIES = {"gemma": (_gemma_norm, {"weight_offset": 1.0}), "glm4": (_glm4_norm, {"norm_dtype": torch.bfloat16})}
+NORM, KEYWORDS = FAMILIES["gemma"]
+
+
 def pair(x, r, w1, w2):
-    h = r + _gemma_norm(x, w1)
-    return _gemma_norm(h, w2), h
+    h = r + NORM(x, w1)
+    return NORM(h, w2), h
 
 
 def chain(x, r, w1, w2):
-    y1, _ = torch.ops.rmsnorm.fwd(x, w1, EPS, weight_offset=1.0)
-    y, h, _ = torch.ops.rmsnorm.add_fwd(r, y1, w2, EPS, weight_offset=1.0)
+    y1, _ = torch.ops.rmsnorm.fwd(x, w1, EPS, **KEYWORDS)
+    y, h, _ = torch.ops.rmsnorm.add_fwd(r, y1, w2, EPS, **KEYWORDS)
     return y, h
 
 
 def fused(x, r, w1, w2):
-    y, h, _, _ = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, EPS, w2, EPS, weight_offset=1.0)
+    y, h, _, _ = torch.ops.rmsnorm.norm_add_fwd(x, r, w1, EPS, w2, EPS, **KEYWORDS)
     return y, h
 
 
@@ -69,9 +81,12 @@ def gpu_us(fn, pool: list, iters: int = 40) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="gemma")
     parser.add_argument("--rows", default="16,2048,8192,16384")
     parser.add_argument("--cols", default="1152,2048,2304,2560,3584,3840,4608,5376")
     args = parser.parse_args(argv)
+    global NORM, KEYWORDS
+    NORM, KEYWORDS = FAMILIES[args.family]
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 1000)  # one graph per shape, never eager
@@ -80,10 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     for m in map(int, args.rows.split(",")):
         for n in map(int, args.cols.split(",")):
             count = max(2, int(200e6 // (m * n * 2 * 2)) + 1)
+            scale, shift = (0.1, 0.0) if args.family == "gemma" else (0.1, 1.0)  # w near 0 (1 + w) or near 1
             pool = [(torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
                      torch.randn(m, n, device="cuda", dtype=torch.bfloat16),
-                     torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1,
-                     torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1) for _ in range(count)]
+                     torch.randn(n, device="cuda", dtype=torch.bfloat16) * scale + shift,
+                     torch.randn(n, device="cuda", dtype=torch.bfloat16) * scale + shift) for _ in range(count)]
             a, b, c = fused(*pool[0]), chain(*pool[0]), compiled(*pool[0])
             row = dict(m=m, n=n, fused_us=gpu_us(fused, pool), chain_us=gpu_us(chain, pool),
                        inductor_us=gpu_us(compiled, pool),
@@ -93,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps(row), flush=True)
             rows.append(row)
             del pool
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__)
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=__import__("triton").__version__,
+                family=args.family)
     with open(args.out, "w") as f:
         json.dump(dict(meta, rows=rows), f, indent=1)
 
