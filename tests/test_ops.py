@@ -793,10 +793,28 @@ def test_norm_add_is_the_two_ops_bit_for_bit(device, mode, kw, weights, layout):
     assert T.dispatch_stats()["fallback"] == {}
 
 
+@pytest.mark.parametrize("kw", [{"weight_offset": 1.0}, {"norm_dtype": torch.bfloat16}])
+def test_norm_add_runs_a_looped_configuration_of_one_step_as_one_row_per_program(device, monkeypatch, kw):
+    """Where both norms take a looped configuration whose one step holds the whole row, the
+    norm-add kernel runs one row per program of that block and warps: the two ops' bits."""
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: KernelConfig(64, 1, 2, looped=True))
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    x, r, w, w2 = _norm_add_inputs(device)
+    assert _norm_add_fuses(x, r, w, w2)
+    got = torch.ops.rmsnorm.norm_add_fwd(x, r, w, 1e-6, w2, 1e-5, **kw)
+    y1, x_rstd = torch.ops.rmsnorm.fwd(x, w, 1e-6, **kw)
+    for a, b in zip(got, (*torch.ops.rmsnorm.add_fwd(r, y1, w2, 1e-5, **kw), x_rstd)):
+        assert torch.equal(a, b)
+    monkeypatch.setattr(dispatch, "forward_config", lambda *a, **k: KernelConfig(16, 1, 1, looped=True))
+    monkeypatch.setattr(dispatch, "_PLANS", {})
+    assert not _norm_add_fuses(x, r, w, w2)  # 33 columns in three steps
+
+
 def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configuration(device):
     """``launch.norm_add_fuses`` on the table's plans: N = 2,048 and 5,120 up to 1,024 rows
-    (the few-rows rungs, single-pass with and without a residual), not 5,120 at 2,048 rows
-    (looped without a residual, single-pass with one) nor 4,096 at 8,192 (looped both); nor
+    (the few-rows rungs, single-pass with and without a residual), 4,096 at 8,192 (looped both,
+    in one step of the whole row), not 5,120 at 2,048 rows (looped without a residual,
+    single-pass with one) nor 6,144 (looped in three steps); nor
     rows that are not contiguous, nor a tensor that does not start 16-byte aligned, nor fp16
     rows rounded before their weight, nor fp32 rows; bf16 rows rounded before their weight do."""
     bf16 = torch.bfloat16
@@ -806,8 +824,8 @@ def test_norm_add_runs_one_kernel_where_both_norms_share_a_single_pass_configura
         w = torch.ones(n, dtype=bf16, device=device)
         return _norm_add_fuses(x, r, w, w)
 
-    assert [fuses(m, n) for m, n in ((2048, 2048), (1024, 5120), (2048, 5120), (8192, 4096))] == [
-        True, True, False, False]
+    assert [fuses(m, n) for m, n in ((2048, 2048), (1024, 5120), (2048, 5120), (8192, 4096), (16, 6144))] == [
+        True, True, False, True, False]
     x, r = (torch.empty(2048, 2049, dtype=bf16, device=device) for _ in range(2))
     w = torch.ones(2048, dtype=bf16, device=device)
     assert not _norm_add_fuses(x[:, 1:], r[:, 1:], w, w)  # rows 2,049 apart
@@ -871,8 +889,8 @@ def test_norm_add_in_float64_is_the_counted_reference(device):
 def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n, family):
     """Gemma's and GLM 4's widths and token counts, bf16, with Gemma's weight offset or GLM 4's
     rounding before the weight: one kernel where both norms take one single-pass configuration
-    (not 2,048 x 5,120, nor the looped 8,192 x 4,096 and 6,144), with the two ops' values, bit
-    for bit."""
+    or one looped in a single step (8,192 x 4,096; not 2,048 x 5,120, nor 6,144, looped in three
+    steps), with the two ops' values, bit for bit."""
     kw = {"weight_offset": 1.0} if family == "gemma" else {"norm_dtype": torch.bfloat16}
     x, r = (torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w1, w2 = (torch.randn(n, device="cuda", dtype=torch.bfloat16) * 0.1 + (family == "glm4") for _ in range(2))
@@ -882,4 +900,4 @@ def test_cuda_norm_add_is_the_two_ops_bit_for_bit_at_model_shapes(m, n, family):
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     fuses = launch.norm_add_fuses(dispatch.forward_plan(x, w1, **kw), dispatch.forward_plan(r, w2, x, **kw), x, r)
-    assert fuses == ((m, n) not in ((2048, 5120), (8192, 4096), (2048, 6144)))
+    assert fuses == ((m, n) not in ((2048, 5120), (2048, 6144)))

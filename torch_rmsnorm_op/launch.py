@@ -141,7 +141,9 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
     """Whether ``forward_norm_add`` runs x's norm (``plan``) and the sum's (``sum_plan``) in one
     kernel, where that gives the two ops' bits:
 
-    - both plans take the same single-pass configuration, which the fused kernel runs, and x
+    - both plans take the same single-pass configuration, which the fused kernel runs, or the
+      same looped one of a single step (the row in one block: N = 4,096 from 2,049 rows), which
+      it runs as one row per program of that block and warps (``_norm_add_config``); and x
       and the residual have contiguous rows starting 16-byte aligned (as the norm the first op
       writes does), so that Triton lays out their loads, and the sums of squares over them, as
       in the two kernels (on CUDA, x's rows 40 elements apart beside a contiguous residual's
@@ -156,7 +158,7 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
 
     A tensor traced for a compiled graph counts as aligned, as Inductor assumes its buffers are."""
     cfg = plan.cfg
-    if cfg != sum_plan.cfg or cfg.looped or cfg.split > 1:
+    if cfg != sum_plan.cfg or (cfg.looped and cfg.block_n < plan.n) or cfg.split > 1:
         return False
     if x.dtype.itemsize != 2 or plan.round_code not in (0, 2 if x.dtype == torch.bfloat16 else 0):
         return False
@@ -166,6 +168,15 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
     return all(type(t) not in (Tensor, torch.nn.Parameter) or t.data_ptr() & 15 == 0 for t in (x, residual))
 
 
+def _norm_add_config(cfg: KernelConfig) -> KernelConfig:
+    """The single-pass configuration the norm-add kernel runs for ``cfg``: itself, or for a
+    looped one of a single step, one row per program of its block and warps, whose sum of
+    squares, over the same block in the same layout, has the looped kernel's bits."""
+    if not cfg.looped:
+        return cfg
+    return KernelConfig(cfg.block_n, 1, cfg.num_warps, mask_free=cfg.mask_free)
+
+
 def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,
                      x_eps: float, eps: float, y: Tensor, h: Tensor, rstd: Tensor | None, x_rstd: Tensor | None,
                      traced: bool = False, kernels: ModuleType | None = None) -> None:
@@ -173,7 +184,7 @@ def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor |
     (and both rstds unless None) in one launch of ``plan``'s configuration (``norm_add_fuses``).
     ``x`` is addressed by ``plan.layout``; ``residual``, ``y`` and ``h`` have single-stride rows;
     the weights are contiguous [N] or None."""
-    cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
+    cfg, m, n, layout = _norm_add_config(plan.cfg), plan.m, plan.n, plan.layout
     if m == 0:
         return
     ptrs = [x, residual, x if x_weight is None else x_weight, x if weight is None else weight, y, h,
