@@ -49,6 +49,9 @@ FAMILIES = {
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", dict(num_local_experts=2, num_experts_per_tok=1,
                intermediate_size_mlp=64, interleave_moe_layer_step=1), {"llama": 3, "torch": 1}, None, True),
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", {}, {"llama": 5}, None, True),
+    # GLM 4 normalizes the attention's and the MLP's outputs before the residual adds (sandwich
+    # norms, Llama's order: rounded before the weight).
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(pad_token_id=None, eos_token_id=None), {"llama": 5}, None, True),
     "helium": ("HeliumConfig", "HeliumForCausalLM", {}, {"torch": 3}, None, False),
     "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {}, {"torch": 5}, None, False),
     "cohere": ("CohereConfig", "CohereForCausalLM", {}, {}, COHERE_NORM, False),
@@ -153,10 +156,10 @@ def _assert_compiles(model, inputs, want, calls, patched):
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "olmo2", "granite"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "olmo2", "granite"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
-    into the norms, Gemma 2/3's and OLMo 2's norms before a residual add joined to it, norms
+    into the norms, Gemma 2/3's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
     that only elementwise ops read left to Inductor), against the unpatched model in eager:
     outputs and every parameter's gradient, no graph break."""
     model = _build(family).to(device)

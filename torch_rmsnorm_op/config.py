@@ -124,11 +124,11 @@ BWD_LADDER = (
     (64, 4096, 16, dict(programs_per_sm=2)),  # N <= 64: the N=128 rung for many rows (not measured at few)
     # N=65-128 at up to 32768 rows (head norms of a few thousand tokens): 64 rows x 4 warps at every M, fewer and
     # fuller row groups than fit_to_rows would make (keep_rows: at N=128 the dweight partials, one row a group,
-    # outweigh the grid): 5.79 / 7.74 / 9.93 / 13.47 us at 2048 / 8192 / 16384 / 32768 rows against the rung below's
-    # 6.85 / 9.01 / 10.53 / 15.06 as fit_to_rows cuts it, 3.93 at 256 rows (16 rows 3.73; cut to 1 row 4.98), with
-    # the residual's gradient 8.81 / 11.03 at 8192 / 16384 against 11.03 / 12.43 (n128-bwd.json in profiling/results/
-    # 2026-12-02-h200-head-norm-backward/); at 65536 rows 21.77 against the rung below's 21.83 (profiling/results/
-    # 2026-12-01-h200-forward-steps/n128-small-m.json).
+    # outweigh the grid): 5.81 / 7.74 / 9.93 / 13.47 us at 2048 / 8192 / 16384 / 32768 rows, 4.03 at 256 (16 rows
+    # 3.73), against the rung below as fit_to_rows cuts it 11.42 / 12.92 / 15.78 at 8192-32768 rows, and this rung
+    # cut by it 6.97 / 8.91 / 10.57 / 15.06, 4.98 at 256; with the residual's gradient 8.91 / 11.03 at 8192 / 16384
+    # against 12.45 / 13.93 (n128-bwd.json in profiling/results/2026-12-02-h200-head-norm-backward/); at 65536 rows
+    # 21.77 against the rung below's 21.83 (profiling/results/2026-12-01-h200-forward-steps/n128-small-m.json).
     (128, 8192, 4, dict(programs_per_sm=2, counted_loop=True, keep_rows=True, max_m=32768)),
     # N=128 (head norms: 131072 rows, sweep.json): 32 rows x 16 warps, 2 programs per SM 70.5% (the N=256 rung:
     # 55.0%).
