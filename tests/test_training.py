@@ -12,7 +12,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "train_tiny_gpt.py")
 # A GPU runs a step in milliseconds: enough steps that the signals land mid-run.
-STEPS = 1500 if torch.cuda.is_available() else 10
+STEPS = 1500 if torch.cuda.is_available() else 8
 
 
 def test_integration_run():

@@ -310,7 +310,7 @@ def run(out_dir: str, iters: int = 20, repeats: int = 5, quick: bool = False, sm
         raise RuntimeError("the full benchmark needs a CUDA GPU; use --smoke on CPU")
     torch._dynamo.config.recompile_limit = 1000
     if smoke:
-        iters, repeats = min(iters, 3), min(repeats, 3)
+        iters, repeats = min(iters, 2), 1
     copy_gbs = copy_ceiling(iters, repeats, device, numel=1 << (24 if smoke else 30))
     print(f"copy ceiling: {copy_gbs:.0f} GB/s", flush=True)
     timing = ("GPU time per step from torch.profiler device events (median)." if device == "cuda" else
