@@ -67,6 +67,20 @@ FAMILIES = {
         experts_implementation="batched_mm"), {"llama": 9}, None, True),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.5, embedding_multiplier=2.0),
                 {"llama": 3}, None, True),
+    # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layers
+    # (forward(hidden_states, gate): skipped); compiled under Inductor only (aot_eager's backward
+    # of the unpatched model's linear attention fails a view in torch 2.13); Gemma 3n: twelve norms in a layer of one
+    # attention (q, k and a weightless v norm among them), the last one before a residual add
+    # joined to the next; BitNet: a norm inside the attention and inside the MLP.
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(layer_types=["linear_attention"], use_cache=False,
+                   experts_implementation="batched_mm"),  # as DeepSeek V3's, below
+                   {"gemma": 3}, "its forward takes (hidden_states, gate)", False),
+    "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
+        pad_token_id=0, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, laurel_rank=4,
+        altup_num_inputs=2, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0],
+        layer_types=["full_attention"]), {"torch": 12}, None, False),
+    "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(bos_token_id=None, eos_token_id=None), {"llama": 5}, None,
+               True),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
                   mamba_d_state=16, mamba_chunk_size=8), {"llama": 3}, None, True),
 }
@@ -156,10 +170,10 @@ def _assert_compiles(model, inputs, want, calls, patched):
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "glm4", "olmo2", "granite"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
-    into the norms, Gemma 2/3's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
+    into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
     that only elementwise ops read left to Inductor), against the unpatched model in eager:
     outputs and every parameter's gradient, no graph break."""
     model = _build(family).to(device)
