@@ -67,18 +67,19 @@ FAMILIES = {
         experts_implementation="batched_mm"), {"llama": 9}, None, True),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.5, embedding_multiplier=2.0),
                 {"llama": 3}, None, True),
-    # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layers
-    # (forward(hidden_states, gate): skipped); compiled under Inductor only (aot_eager's backward
-    # of the unpatched model's linear attention fails a view in torch 2.13); Gemma 3n: twelve norms in a layer of one
-    # attention (q, k and a weightless v norm among them), the last one before a residual add
-    # joined to the next; BitNet: a norm inside the attention and inside the MLP.
+    # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layer
+    # (forward(hidden_states, gate): skipped); compiled under Inductor only, since aot_eager's
+    # backward of the unpatched model's linear attention fails a view (torch 2.13).
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(layer_types=["linear_attention"], use_cache=False,
-                   experts_implementation="batched_mm"),  # as DeepSeek V3's, below
+                   experts_implementation="batched_mm"),  # as DeepSeek V3's, above
                    {"gemma": 3}, "its forward takes (hidden_states, gate)", False),
+    # Gemma 3n: twelve norms, among them q, k and a weightless v norm, AltUp's router norm and
+    # LAuReL's, and a norm, residual add and norm that Inductor's pass joins into one op.
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
         pad_token_id=0, vocab_size_per_layer_input=128, hidden_size_per_layer_input=8, laurel_rank=4,
         altup_num_inputs=2, num_kv_shared_layers=0, activation_sparsity_pattern=[0.0],
         layer_types=["full_attention"]), {"torch": 12}, None, False),
+    # BitNet: a norm inside the attention and one inside the MLP, before their output projections.
     "bitnet": ("BitNetConfig", "BitNetForCausalLM", dict(bos_token_id=None, eos_token_id=None), {"llama": 5}, None,
                True),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
