@@ -148,10 +148,15 @@ W = torch.rand(8) + 0.5
     ("in place", lambda a, b: T.rms_norm(a.clone().add_(b), (8,), W), False),
     ("a view of the sum", lambda a, b: T.rms_norm((a + b)[:, :4].reshape(-1, 8), (8,), W), False),
     ("float64", lambda a, b: T.rms_norm(a.double() + b.double(), (8,), W.double()), False),
+    ("a scaled branch", lambda a, b: T.rms_norm(a + b * 0.5, (8,), W), True),  # Granite's residual add
+    ("two products", lambda a, b: T.rms_norm(a * 2.0 + b * 3.0, (8,), W), False),  # RoPE's sum, for Inductor
+    ("two products, one read again",
+     lambda a, b: (lambda p: (T.rms_norm(p + b * 3.0, (8,), W), p))(a * 2.0), True),
 ])
 def test_what_is_rewritten(name, f, fused):
     """Only an out-of-place add of two tensors of one shape, in fp16/bf16/fp32, feeding the norm
-    directly; the rewritten graph computes what the original does."""
+    directly, and not of two elementwise results that nothing else reads; the rewritten graph
+    computes what the original does."""
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     gm, inputs = _graph(f, a, b)
     want = gm(*inputs)
@@ -270,11 +275,16 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
         T.rms_norm(torch.nn.functional.embedding(IDS, TABLE) + x[0, 0, :3], (16,), W16), PROJ), False),
     ("embeddings through a matmul", lambda x, c, s: torch.nn.functional.linear(
         T.rms_norm(torch.nn.functional.embedding(IDS, TABLE) @ PROJ, (16,), W16), PROJ) + x.sum(), False),
+    ("after RoPE, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(_rope(x.transpose(1, 2), c, s), (16,), W16), PROJ), True),
+    ("after a residual sum, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x + x.flip(0), (16,), W16), PROJ), False),
 ])
 def test_which_norms_are_left_to_inductor(name, f, left):
-    """Only a norm whose output nothing but elementwise ops (through views) reads, or whose input
-    is an embedding lookup (through views and elementwise ops), is replaced by torch ops; the
-    graph computes what it computed before."""
+    """Only a norm whose output nothing but elementwise ops (through views) reads, whose input
+    is an embedding lookup (through views and elementwise ops), or whose input is a sum of two
+    elementwise results nothing else reads (RoPE's), is replaced by torch ops; the graph
+    computes what it computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -721,6 +731,7 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 
 @pytest.mark.parametrize("config,model,left,joined", [
     ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5, 0),  # q/k norms of 2 layers, the first input norm (embeddings)
+    ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", 5, 0),  # q/k norms after RoPE, the first input norm
     ("Gemma3TextConfig", "Gemma3ForCausalLM", 5, 4),  # q/k norms, the first input norm (scaled embeddings); the
     # norms after attention and MLP join the residual add and the norm after it
     ("Gemma2Config", "Gemma2ForCausalLM", 1, 4),  # the first input norm; every other norm feeds a projection or
@@ -730,7 +741,8 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 ])
 def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, joined, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
-    its code gives norms whose output only elementwise ops read or whose input is the embeddings,
+    its code gives norms whose output only elementwise ops read, whose input is the embeddings
+    or whose input is RoPE's sum,
     and as many ``norm_add_fwd`` as it has norms read only by a residual add that a norm reads;
     logits match the unpatched model."""
     counts = []

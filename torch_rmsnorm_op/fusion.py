@@ -26,7 +26,9 @@ the sum's own gradient into dx. Model code stays as it is.
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
 whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
-a float eps under dynamic shapes, moves up before the add). The fused op computes the sum as
+a float eps under dynamic shapes, moves up before the add), and not a sum of two elementwise
+results that nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``), which Inductor
+computes in the kernel of its terms: the fused op would have both terms written for it. The fused op computes the sum as
 torch does (in fp32, rounded to the promoted dtype), so the sum is the same bits either way,
 and normalizes it with the unfused op's kernel configuration, so y is too, except at N where
 the table keeps a rung for the forward without a residual (``plain`` in ``config.FWD_LADDER``:
@@ -60,7 +62,10 @@ model: its kernels, not ours, with the stock model's numerics. The same holds fo
 decoder layer's input norm, whose input is the embedding lookup (or Gemma's scaled embeddings):
 stock Inductor gathers the embedding rows in that norm's kernel, and in its backward adds the
 norm's gradient into the embedding's, where our op would need the embeddings written for it and
-its dx written for the embedding's backward. Any other norm stays ours: one whose output a
+its dx written for the embedding's backward. So too a norm whose input is a sum of two
+elementwise results nothing else reads (HunYuan's q/k norms, after RoPE): stock Inductor reads
+the heads once and writes the normalized ones, where our op would read the rotated heads
+written for it (4 passes over the heads against 2, forward). Any other norm stays ours: one whose output a
 projection's matmul, our ops or the graph's output reads, and, since the rewrite runs after the
 residual rewrite, one whose output feeds a fused add (Gemma's post-attention norms). Turn it off with
 ``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in
@@ -192,6 +197,14 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
+def _pointwise_sum(node: object) -> bool:
+    """Whether ``node`` adds two elementwise results that nothing else reads (RoPE's ``q * cos +
+    rotate_half(q) * sin``): Inductor computes such a sum in the kernel of its terms, and a norm
+    after it in the same kernel (``decompose_epilogue_norms``)."""
+    return isinstance(node, Node) and _is_add(node) and all(
+        _is_pointwise(a) and len(a.users) == 1 for a in node.args)
+
+
 def _fusable(add: Node) -> bool:
     """An out-of-place add of two tensors of one shape and device, in fp16/bf16/fp32."""
     a, b = (_value(n) for n in add.args)
@@ -256,7 +269,7 @@ def fuse_residual_adds(graph: Graph) -> int:
         if not _is_norm(norm) or not norm.args or not isinstance(norm.args[0], Node):
             continue
         add = norm.args[0]
-        if not _is_add(add) or not _fusable(add) or not _inputs_before(add, norm, order):
+        if not _is_add(add) or _pointwise_sum(add) or not _fusable(add) or not _inputs_before(add, norm, order):
             continue
         args = (*add.args, *norm.args[1:])
         fake = _fake_call(torch.ops.rmsnorm.add_fwd.default, args, norm.kwargs)
@@ -446,9 +459,10 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     """Replace with the same computation in torch ops, which Inductor fuses with its neighbours
     as it does in the stock model, every ``rmsnorm.fwd`` in ``graph`` whose rstd nothing reads
     and whose output only elementwise ops read (through views; Qwen3's q/k norms, read by
-    RoPE), or whose input is an embedding lookup (the first decoder layer's input norm: the
-    gather, forward, and the embedding's gradient, backward, join the norm's kernels); returns
-    how many. Every other norm stays as it is."""
+    RoPE), whose input is an embedding lookup (the first decoder layer's input norm: the
+    gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
+    input is a sum of two elementwise results nothing else reads (HunYuan's q/k norms, after
+    RoPE); returns how many. Every other norm stays as it is."""
     count = 0
     for norm in list(graph.nodes):
         if not _is_norm(norm) or not norm.users:
@@ -456,7 +470,8 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         users = list(norm.users)
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
-        if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(norm.args[0])):
+        if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(norm.args[0])
+                or _pointwise_sum(norm.args[0])):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
