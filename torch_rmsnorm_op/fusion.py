@@ -26,11 +26,12 @@ the sum's own gradient into dx. Model code stays as it is.
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
 whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
-a float eps under dynamic shapes, moves up before the add), and not a sum of two elementwise
-results that nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``), which Inductor
-computes in the kernel of its terms: the fused op would have both terms written for it. The fused op computes the sum as
-torch does (in fp32, rounded to the promoted dtype), so the sum is the same bits either way,
-and normalizes it with the unfused op's kernel configuration, so y is too, except at N where
+a float eps under dynamic shapes, moves up before the add). Nor is a sum of two elementwise
+results that nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``): Inductor computes
+it in the kernel of its terms, where the fused op would need both terms written for it; the
+norm after it is left to Inductor (below). The fused op computes the sum as torch does (in
+fp32, rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it
+with the unfused op's kernel configuration, so y is too, except at N where
 the table keeps a rung for the forward without a residual (``plain`` in ``config.FWD_LADDER``:
 N = 5,120), whose sum of squares is added in another order: there y may differ in its last
 place.
@@ -65,11 +66,11 @@ norm's gradient into the embedding's, where our op would need the embeddings wri
 its dx written for the embedding's backward. So too a norm whose input is a sum of two
 elementwise results nothing else reads (HunYuan's q/k norms, after RoPE): stock Inductor reads
 the heads once and writes the normalized ones, where our op would read the rotated heads
-written for it (4 passes over the heads against 2, forward). Any other norm stays ours: one whose output a
-projection's matmul, our ops or the graph's output reads, and, since the rewrite runs after the
-residual rewrite, one whose output feeds a fused add (Gemma's post-attention norms). Turn it off with
-``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in
-the same ``pre_grad_custom_pass``.
+written for it (4 passes over the heads against 2, forward). Any other norm stays ours: one
+whose output a projection's matmul, our ops or the graph's output reads, and, since the
+rewrite runs after the residual rewrite, one whose output feeds a fused add (Gemma's
+post-attention norms). Turn it off with ``set_epilogue_decomposition(False)`` or
+``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in the same ``pre_grad_custom_pass``.
 
 **Gradient sums.** A norm's output usually feeds several ops: the q, k and v projections, or
 the MLP's gate and up projections. Autograd sums their gradients (``add(add(dq, dk), dv)``)
