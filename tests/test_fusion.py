@@ -742,9 +742,8 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, joined, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
     its code gives norms whose output only elementwise ops read, whose input is the embeddings
-    or whose input is RoPE's sum,
-    and as many ``norm_add_fwd`` as it has norms read only by a residual add that a norm reads;
-    logits match the unpatched model."""
+    or whose input is RoPE's sum, and as many ``norm_add_fwd`` as it has norms read only by a
+    residual add that a norm reads; logits match the unpatched model."""
     counts = []
     for name in ("fuse_norm_add_norms", "decompose_epilogue_norms"):
         real = getattr(fusion, name)
