@@ -21,7 +21,7 @@ against the float64 reference; ``dweight_rel_err`` (backward): dweight's, over i
 element.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
-[--wdtype float32] [--inductor] [--table-only]``; writes ``DIR/<tag>.json``.
+[--wdtype float32] [--inductor] [--table-only | --dw-columns]``; writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
@@ -185,9 +185,22 @@ def gpu_us(step, count: int, iters: int = 10, repeats: int = 3) -> float:
     return statistics.median(windows)
 
 
-def candidates(job: Job, table: KernelConfig, table_only: bool) -> list[KernelConfig]:
+DW_COLUMNS = (0, 32, 64, 128, 256)
+
+
+def dw_column_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
+    """The backward configuration with dweight from its partial rows and the reduction (0), and
+    from column programs of each width up to N's next power of two (``KernelConfig.dw_columns``)."""
+    if cfg.split > 1:
+        return [cfg]
+    return [dataclasses.replace(cfg, dw_columns=c) for c in DW_COLUMNS if c <= triton.next_power_of_2(n)]
+
+
+def candidates(job: Job, table: KernelConfig, table_only: bool, dw_columns: bool = False) -> list[KernelConfig]:
     if table_only:
         return [table]
+    if dw_columns and job.backward:
+        return list(dict.fromkeys([table, *dw_column_candidates(job.n, table)]))
     gen = bwd_candidates if job.backward else fwd_candidates
     return list(dict.fromkeys([table, *gen(job.n, table)]))
 
@@ -298,6 +311,9 @@ def main() -> None:
     p.add_argument("--wdtype", default="bfloat16")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
     p.add_argument("--table-only", action="store_true", help="only the table's configuration")
+    p.add_argument("--dw-columns", action="store_true",
+                   help="backward jobs: only the table's configuration with each dweight column width "
+                        "(0: partial rows and the reduction launch)")
     p.add_argument("--inductor", action="store_true", help="also time Inductor's compiled F.rms_norm")
     p.add_argument("--dry-run", action="store_true", help="CPU through the Triton interpreter: checks, no timings")
     args = p.parse_args()
@@ -327,7 +343,7 @@ def main() -> None:
         else:
             cfg = forward_config(job.n, job.dtype, job.residual, job.m, job.wdtype)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
-        jobs.append((job, candidates(job, table, args.table_only)))
+        jobs.append((job, candidates(job, table, args.table_only, args.dw_columns)))
     if args.workers > 1:
         precompile(jobs, args.workers)
     for job, cfgs in jobs:

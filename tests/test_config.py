@@ -1,9 +1,19 @@
 """The launch table: every N the kernels serve gets a configuration that covers the row."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from torch_rmsnorm_op.config import MAX_N, MAX_SPLIT, backward_config, fit_to_rows, forward_config
+from torch_rmsnorm_op.config import (
+    BWD_DW_COLUMNS,
+    MAX_N,
+    MAX_SPLIT,
+    backward_config,
+    fit_to_rows,
+    forward_config,
+    next_power_of_2,
+)
 
 
 def _lengths():
@@ -101,15 +111,33 @@ def test_backward_rungs_for_few_rows():
     bf16, fp32 = torch.bfloat16, torch.float32
     many = backward_config(128, bf16)
     assert (many.rows, many.num_warps, many.programs_per_sm) == (32, 16, 2)
+    def rung(cfg):  # the ladder's choice, apart from how dweight is summed over a few rows
+        return dataclasses.replace(cfg, dw_columns=0)
+
     for m in (1, 8192, 32768):
         few = backward_config(128, bf16, m)
         assert (few.block_n, few.rows, few.num_warps, few.counted_loop) == (128, 64, 4, True)
         assert fit_to_rows(few, m, torch.device("cpu")) == few  # fewer, fuller row groups at any M
         assert backward_config(100, torch.float16, m) == few
-        assert backward_config(64, bf16, m) == backward_config(64, bf16)
-        assert backward_config(128, fp32, m) == backward_config(128, fp32)
+        assert rung(backward_config(64, bf16, m)) == backward_config(64, bf16)
+        assert rung(backward_config(128, fp32, m)) == backward_config(128, fp32)
     assert backward_config(128, bf16, 32769) == many
-    assert backward_config(256, bf16, 16) == backward_config(256, bf16)
+    assert rung(backward_config(256, bf16, 16)) == backward_config(256, bf16)
+
+
+def test_backward_dweight_from_column_programs_over_few_rows():
+    """Up to ``BWD_DW_COLUMNS[0]`` rows, M known, the backward's own launch writes dweight from
+    column programs; more rows, a symbolic M (None) and split mode keep the partial rows and
+    the reduction."""
+    max_m, columns = BWD_DW_COLUMNS
+    for n, dtype in ((2048, torch.bfloat16), (128, torch.bfloat16), (257, torch.float32), (16, torch.float16),
+                     (5120, torch.bfloat16)):
+        for m in (1, 16, max_m):
+            assert backward_config(n, dtype, m).dw_columns == min(columns, next_power_of_2(n))
+        assert backward_config(n, dtype, max_m + 1).dw_columns == 0
+        assert backward_config(n, dtype).dw_columns == 0
+    split = backward_config(MAX_N, torch.bfloat16, 16)
+    assert split.split > 1 and split.dw_columns == 0
 
 
 def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows(device):

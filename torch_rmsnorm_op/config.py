@@ -183,6 +183,19 @@ BWD_SPLIT = ((MAX_N, 8192, 8, dict(stages=4, interleave=True)),)
 # the programs per row of 4096 columns: 92.0% against 85.5% (split-near.json), 93.1% (85.2%) and at
 # N=262144 95.0% (75.5%; split-bwd-fp32-8192-65536.json, -262144.json).
 BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
+# Backward over a few rows, M known when the plan is made (an eager call, a graph traced with static
+# shapes): (at most this many rows, columns per program). dweight comes from programs of the backward's own
+# launch, each summing dy * x * rstd over every row for its block of columns (kernels/rows.py, DW_COLUMNS),
+# instead of a partial row per row group and a reduction launch after it. Tiles of DW_COLUMN_TILE elements.
+# By profiling/tune.py --dw-columns (GPU time of the backward's launches, inputs past L2;
+# profiling/results/2026-12-02-h200-dweight-columns/dw-columns.json), us with partial rows and the
+# reduction / 32 / 64 / 128 columns: bf16 16 x 2048 3.11 / 1.39 / 1.70 / 2.45, 512 x 2048 8.25 / 5.86 /
+# 8.69 / 12.93, 16 x 4096 3.57 / 1.79 / 1.81 / 2.58, 512 x 4096 9.73 / 7.38 / 9.70 / 13.89, 256 x 5120
+# 7.79 / 6.74 / 6.10 / 7.96, 256 x 128 4.00 / 2.52 / 3.18 / 5.61, with the residual's gradient and dy
+# summed from 3 terms 16 x 2048 3.44 / 1.87 / 1.78 / 2.69; fp32 128 x 257 4.24 / 2.26 / 3.00 / 5.69. At
+# 2048 rows the partial rows win (N = 2048 12.91 against 18.39 with 32 columns; 4096 18.58 against 34.86).
+BWD_DW_COLUMNS = (512, 32)
+DW_COLUMN_TILE = 2048
 # The Triton interpreter runs programs one after another on the CPU; a small
 # fixed count keeps its dweight reduction layout fixed too.
 INTERPRETER_SM_COUNT = 4
@@ -240,7 +253,9 @@ class KernelConfig:
     consecutive rows;
     ``keep_rows`` keeps ``rows`` at every M (``fit_to_rows`` leaves it);
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
-    ``stages - 1`` iterations ahead into shared memory."""
+    ``stages - 1`` iterations ahead into shared memory;
+    ``dw_columns`` (single-pass backward) > 0: dweight from programs of ``dw_columns`` columns
+    each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows."""
 
     block_n: int
     rows: int
@@ -254,6 +269,7 @@ class KernelConfig:
     mask_free: bool = False
     interleave: bool = False
     keep_rows: bool = False
+    dw_columns: int = 0
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -267,6 +283,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: stages must be >= 1, got {self}")
         if self.reload and self.split != 1:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
+        if self.dw_columns and (self.split != 1 or self.looped or self.dw_columns & (self.dw_columns - 1)):
+            raise ValueError(f"KernelConfig: dw_columns is a power of two, for the single-pass backward, got {self}")
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:
@@ -311,7 +329,7 @@ def _row_bounds(*ladders: tuple) -> tuple[int, ...]:
 
 
 _FWD_ROW_BOUNDS = _row_bounds(FWD_LADDER, FWD_LADDER_FP32)
-_BWD_ROW_BOUNDS = _row_bounds(BWD_LADDER, BWD_LADDER_FP32)
+_BWD_ROW_BOUNDS = tuple(sorted({*_row_bounds(BWD_LADDER, BWD_LADDER_FP32), BWD_DW_COLUMNS[0]}))
 
 
 def _bound_rows(m: int | torch.SymInt | None, bounds: tuple[int, ...]) -> int | None:
@@ -346,15 +364,20 @@ def _forward_config(n: int, dtype: torch.dtype, residual: bool, m: int | None) -
 def backward_config(n: int, dtype: torch.dtype, m: int | torch.SymInt | None = None) -> KernelConfig:
     """Backward (dx + dweight partials) launch shape for rows of length ``n`` of ``dtype``, over
     ``m`` rows: where M is not an int (None, or symbolic while tracing) the rungs tuned at many
-    rows serve."""
+    rows serve; up to ``BWD_DW_COLUMNS[0]`` rows, dweight from column programs."""
     return _backward_config(n, dtype, _bound_rows(m, _BWD_ROW_BOUNDS))
 
 
 @functools.cache
 def _backward_config(n: int, dtype: torch.dtype, m: int | None) -> KernelConfig:
     if dtype.itemsize == 4:
-        return _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32, m=m)
-    return _config(n, BWD_LADDER, BWD_SPLIT, m=m)
+        cfg = _config(n, BWD_LADDER_FP32, BWD_SPLIT_FP32, m=m)
+    else:
+        cfg = _config(n, BWD_LADDER, BWD_SPLIT, m=m)
+    max_m, columns = BWD_DW_COLUMNS
+    if m is not None and m <= max_m and cfg.split == 1:
+        cfg = dataclasses.replace(cfg, dw_columns=min(columns, next_power_of_2(n)))
+    return cfg
 
 
 @functools.cache

@@ -25,10 +25,12 @@ from torch import Tensor
 from torch_rmsnorm_op import _torch_compat, _triton_compat
 from torch_rmsnorm_op.config import (
     BWD_SUMMED_ROWS,
+    DW_COLUMN_TILE,
     MERGE_SCRATCH_BYTES,
     MERGE_SCRATCH_SHARE,
     KernelConfig,
     cdiv,
+    next_power_of_2,
     reduce_splits,
     reduce_tile,
     row_groups,
@@ -242,11 +244,13 @@ def backward_workspace(plan: Plan, dtype: torch.dtype, device: torch.device) -> 
     the first reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads
     only the partials with one)."""
     rows, _ = _partials(plan, dtype, device)
-    splits = _reduce_splits(rows, plan.n, device)
+    splits = _reduce_splits(rows, plan.n, device) if rows else 1
     return torch.empty((rows + (splits if splits > 1 else 0), plan.n), dtype=torch.float32, device=device)
 
 
 def _partials(plan: Plan, dtype: torch.dtype, device: torch.device) -> tuple[object, bool]:
+    if plan.cfg.dw_columns:  # dweight written by the launch's column programs: no partial rows
+        return 0, False
     groups, _ = row_groups(plan.m, plan.n, device, plan.cfg)
     merge = merged_partials(groups, plan.m, plan.n, dtype)
     return (cdiv(groups, 2) if merge else groups), merge
@@ -293,7 +297,7 @@ def dweight_acc_rows(cfg: KernelConfig, elem_bytes: int) -> int:
 
 @functools.cache
 def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_dims: int, merge: bool,
-                     weight_offset: float, elem_bytes: int) -> Mapping:
+                     weight_offset: float, elem_bytes: int, dw_rows: int = 1) -> Mapping:
     if cfg.split > 1:
         out = dict(BLOCK_N=cfg.block_n, SPLIT=cfg.split, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
@@ -302,8 +306,14 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
         out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
                    MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes),
-                   DY_TERMS=1)
+                   DY_TERMS=1, DW_COLUMNS=cfg.dw_columns if has_weight else 0, DW_ROWS=dw_rows)
     return MappingProxyType(out)
+
+
+def dweight_column_rows(cfg: KernelConfig, m: int) -> int:
+    """Rows a step of the backward's dweight column programs (``cfg.dw_columns`` > 0): tiles of
+    up to ``DW_COLUMN_TILE`` elements, no more rows than M's next power of two."""
+    return max(1, min(next_power_of_2(m), DW_COLUMN_TILE // cfg.dw_columns))
 
 
 def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict:
@@ -328,7 +338,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
              traced: bool = False, kernels: ModuleType | None = None, dy_terms: tuple[Tensor, ...] = ()) -> None:
     """Write ``dx`` (plus ``dres``, the gradient that reached the forward's residual sum, if
     given) and, with a weight, ``dweight`` [N] (contiguous), as ``plan`` says (M, N >= 1): one
-    launch, and a dweight reduction unless the grid is a single row group. ``x`` is addressed
+    launch, and a dweight reduction unless the grid is a single row group or dweight comes
+    from the launch's column programs (``cfg.dw_columns``). ``x`` is addressed
     by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
     ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
     ``dy_terms``: up to two more tensors of dy's dtype and strides; the gradient is then their
@@ -343,16 +354,18 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     partial = flags = mid = None
     merge = False
     direct = False
+    columns = has_weight and cfg.dw_columns > 0
     if has_weight:
         rows, merge = _partials(plan, x.dtype, device)
-        splits = _reduce_splits(rows, n, device)
-        # One row group: its partial row is dweight, written by the kernel in dweight's dtype.
-        direct = type(rows) is int and rows == 1 and not merge
+        # One row group: its partial row is dweight, written by the kernel in dweight's dtype;
+        # so are the column programs' blocks of it.
+        direct = columns or (type(rows) is int and rows == 1 and not merge)
         if direct:
             partial = dweight
         elif workspace is not None:
             partial, mid = workspace[:rows], workspace[rows:]
         else:
+            splits = _reduce_splits(rows, n, device)
             # Two tensors, not views of one: while tracing, a kernel writing into a view of a
             # buffer that another kernel also writes makes the graph copy and re-allocate it.
             partial = torch.empty((rows, n), dtype=torch.float32, device=device)
@@ -366,7 +379,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
             placeholder if flags is None else flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
-                              x.dtype.itemsize)
+                              x.dtype.itemsize, dweight_column_rows(cfg, m) if columns else 1)
     if dy_terms:
         consts = {**consts, **summed_gradient_consts(consts, 1 + len(dy_terms), dy.dtype.itemsize)}
     k = kernels or _kernels()
@@ -377,7 +390,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
             _launch(k._rms_norm_bwd_split, (groups * cfg.split,), args, dict(consts, PHASE=phase), cfg.num_warps,
                     device, traced)
     else:
-        _launch(k._rms_norm_bwd_rows, (groups,), [*ptrs, m, n, rows_per_group, *strides], consts, cfg.num_warps,
+        grid = groups + (cdiv(n, cfg.dw_columns) if columns else 0)
+        _launch(k._rms_norm_bwd_rows, (grid,), [*ptrs, m, n, rows_per_group, *strides], consts, cfg.num_warps,
                 device, traced)
     if has_weight and not direct:
         bound = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)

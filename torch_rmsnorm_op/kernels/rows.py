@@ -7,7 +7,10 @@ the sum, all in registers: x and the residual read once, the sum and y written o
 
 Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile at a
 time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is groups x
-N, never M x N; ``reduce.py`` sums the partials in a fixed order).
+N, never M x N; ``reduce.py`` sums the partials in a fixed order). Over a few rows
+(``DW_COLUMNS``) the launch has programs of a second kind after the row groups: each sums
+dweight over every row for a block of columns, from dy, x and the saved rstd, and writes it;
+the row groups then write dx only, and no scratch or reduction launch is needed.
 """
 
 import triton
@@ -34,6 +37,27 @@ def _accumulate(acc, tile, ACC_ROWS: tl.constexpr):
     else:
         acc += tile
     return acc
+
+
+@triton.jit
+def _dweight_columns(DY, DY2, DY3, X, RSTD, DW, M, N, block, x_size1, x_size2, x_stride0, x_stride1, x_stride2,
+                     dy_stride, DW_COLUMNS: tl.constexpr, DW_ROWS: tl.constexpr, LEAD_DIMS: tl.constexpr,
+                     DY_TERMS: tl.constexpr):
+    """dweight for columns ``block * DW_COLUMNS`` on: the sum over all M rows of dy * x * rstd,
+    ``DW_ROWS`` rows a step (fixed order), written in DW's dtype."""
+    cols = block * DW_COLUMNS + tl.arange(0, DW_COLUMNS)
+    col_mask = cols < N
+    acc = tl.zeros([DW_ROWS, DW_COLUMNS], dtype=tl.float32)
+    for first in range(0, M, DW_ROWS):
+        rows = first + tl.arange(0, DW_ROWS).to(tl.int64)
+        row_mask = rows < M
+        mask = row_mask[:, None] & col_mask[None, :]
+        x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
+        x = _load_f32(X + x_rows[:, None] + cols[None, :], mask, "")
+        dy = _load_dy(DY, DY2, DY3, rows[:, None] * dy_stride + cols[None, :], mask, "", DY_TERMS).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        acc += dy * x * rstd[:, None]
+    tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
@@ -170,7 +194,8 @@ def _rms_norm_bwd_rows(
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride dx_stride
     DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES)
-    DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials
+    DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials;
+    # dweight itself [N] with one row group, or with DW_COLUMNS
     DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros, _merge_partial's flags
     M,
     N,
@@ -195,8 +220,19 @@ def _rms_norm_bwd_rows(
     WEIGHT_OFFSET: tl.constexpr,
     ACC_ROWS: tl.constexpr,  # rows of the dweight accumulator: ROWS, or 1 (each tile summed as it goes)
     DY_TERMS: tl.constexpr,  # dy is the sum of this many tensors (kernels.common._load_dy)
+    DW_COLUMNS: tl.constexpr,  # > 0: programs past the row groups write dweight, this many columns each
+    DW_ROWS: tl.constexpr,  # rows a step of those programs
 ):
     group = tl.program_id(0).to(tl.int64)
+    if DW_COLUMNS > 0:
+        groups = tl.cdiv(M, rows_per_group)
+        if group >= groups:
+            if HAS_WEIGHT:
+                _dweight_columns(DY, DY2, DY3, X, RSTD, DW_PARTIAL, M, N, group - groups, x_size1, x_size2, x_stride0,
+                                 x_stride1, x_stride2, dy_stride, DW_COLUMNS, DW_ROWS, LEAD_DIMS, DY_TERMS)
+            return
+    # The row groups accumulate dweight partials unless the programs above write it.
+    PARTIALS: tl.constexpr = HAS_WEIGHT and DW_COLUMNS == 0
     row_start = group * rows_per_group
     row_end = tl.minimum(row_start + rows_per_group, M)
     cols = tl.arange(0, BLOCK_N)
@@ -225,7 +261,7 @@ def _rms_norm_bwd_rows(
         u = dy
         if HAS_WEIGHT:
             u = dy * w[None, :]
-            if not RELOAD:
+            if PARTIALS and not RELOAD:
                 dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
         c = tl.sum(u * x, axis=1) / N
         if RELOAD:
@@ -236,10 +272,11 @@ def _rms_norm_bwd_rows(
             u = dy
             if HAS_WEIGHT:
                 u = dy * w[None, :]
-                dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
+                if PARTIALS:
+                    dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
         dx = (u - x * (rstd * rstd * c)[:, None]) * rstd[:, None]
         if HAS_DRES:
             dx += _load_f32(DRES + rows[:, None] * dres_stride + cols[None, :], mask, "")
         tl.store(DX + rows[:, None] * dx_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-    if HAS_WEIGHT:
+    if PARTIALS:
         _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
