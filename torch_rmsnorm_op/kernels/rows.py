@@ -220,16 +220,16 @@ def _rms_norm_bwd_rows(
     WEIGHT_OFFSET: tl.constexpr,
     ACC_ROWS: tl.constexpr,  # rows of the dweight accumulator: ROWS, or 1 (each tile summed as it goes)
     DY_TERMS: tl.constexpr,  # dy is the sum of this many tensors (kernels.common._load_dy)
-    DW_COLUMNS: tl.constexpr,  # > 0: programs past the row groups write dweight, this many columns each
+    DW_COLUMNS: tl.constexpr,  # > 0 (with a weight): programs past the row groups write dweight, this many
+    # columns each
     DW_ROWS: tl.constexpr,  # rows a step of those programs
 ):
     group = tl.program_id(0).to(tl.int64)
     if DW_COLUMNS > 0:
         groups = tl.cdiv(M, rows_per_group)
         if group >= groups:
-            if HAS_WEIGHT:
-                _dweight_columns(DY, DY2, DY3, X, RSTD, DW_PARTIAL, M, N, group - groups, x_size1, x_size2, x_stride0,
-                                 x_stride1, x_stride2, dy_stride, DW_COLUMNS, DW_ROWS, LEAD_DIMS, DY_TERMS)
+            _dweight_columns(DY, DY2, DY3, X, RSTD, DW_PARTIAL, M, N, group - groups, x_size1, x_size2, x_stride0,
+                             x_stride1, x_stride2, dy_stride, DW_COLUMNS, DW_ROWS, LEAD_DIMS, DY_TERMS)
             return
     # The row groups accumulate dweight partials unless the programs above write it.
     PARTIALS: tl.constexpr = HAS_WEIGHT and DW_COLUMNS == 0
