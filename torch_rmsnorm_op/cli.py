@@ -152,7 +152,7 @@ def _bench_models(args: argparse.Namespace) -> int:
     smoke = args.smoke
     sel = mb.Selection(
         models=args.models or (("llama",) if smoke else mb.DEFAULT_MODELS),
-        hiddens=args.hidden or tuple(mb.SIZES),
+        hiddens=args.hidden or mb.DEFAULT_HIDDENS,
         tokens=args.tokens or (mb.SMOKE_TOKENS if smoke else mb.DEFAULT_TOKENS),
         modes=args.modes or (("default",) if smoke else mb.MODES),
         passes=args.passes or mb.PASSES,
@@ -242,8 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"families (default: {','.join(mb.DEFAULT_MODELS)}; also "
                              f"{','.join(sorted(set(mb.FAMILIES) - set(mb.DEFAULT_MODELS)))})")
     models.add_argument("--hidden", type=_list_of("hidden", tuple(mb.SIZES), int),
-                        help="hidden sizes: 2048 (4 layers, MLP 5632, 16 heads, 8 kv) and/or 4096 (2 layers, MLP "
-                             "14336, 32 heads, 8 kv); head_dim 128 (default: both)")
+                        help="hidden sizes, each with its layer shape (head_dim 128): "
+                             + "; ".join(f"{h} ({s.layers} layers, MLP {s.intermediate}, {s.heads} heads, "
+                                         f"{s.kv_heads} kv)" for h, s in mb.SIZES.items())
+                             + f" (default: {','.join(map(str, mb.DEFAULT_HIDDENS))})")
     models.add_argument("--tokens", type=_list_of("tokens", None, _tokens),
                         help="BATCHxSEQ list (default: 4x2048,1x16)")
     models.add_argument("--modes", type=_list_of("modes", mb.MODES),

@@ -226,10 +226,17 @@ class Size:
 
 # 2048: TinyLlama's MLP width, 16 heads of 128, grouped-query attention with 8 kv heads.
 # 4096: Llama-3-8B's and Mistral-7B's layer, 2 layers.
+# Hidden sizes that are not powers of two, each a released model's layer: 1536 Qwen2-1.5B's,
+# 3584 Qwen2-7B's, 5120 Qwen2.5-14B's (and Mistral-Nemo's width).
 SIZES: dict[int, Size] = {
+    1536: Size(layers=4, intermediate=8960, heads=12, kv_heads=2, head_dim=128),
     2048: Size(layers=4, intermediate=5632, heads=16, kv_heads=8, head_dim=128),
+    3584: Size(layers=2, intermediate=18944, heads=28, kv_heads=4, head_dim=128),
     4096: Size(layers=2, intermediate=14336, heads=32, kv_heads=8, head_dim=128),
+    5120: Size(layers=2, intermediate=13824, heads=40, kv_heads=8, head_dim=128),
 }
+# What a run measures unless told (--hidden).
+DEFAULT_HIDDENS = (2048, 4096)
 SMOKE_HIDDEN = 64
 SMOKE_SIZE = Size(layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
 SMOKE_VOCAB = 256
@@ -495,7 +502,7 @@ class Selection:
     """What one run measures, and how."""
 
     models: tuple[str, ...] = DEFAULT_MODELS
-    hiddens: tuple[int, ...] = tuple(SIZES)
+    hiddens: tuple[int, ...] = DEFAULT_HIDDENS
     tokens: tuple[tuple[int, int], ...] = DEFAULT_TOKENS
     modes: tuple[str, ...] = MODES
     passes: tuple[str, ...] = PASSES
