@@ -216,7 +216,7 @@ MERGE_SCRATCH_SHARE = 1 / 50
 # times as many columns as keep the tile at REDUCE_TILE elements (16 KiB of fp32 per program).
 # Fixed (32 x 128) tiles left most of a tile's rows masked where a stage has few rows: 7.85 us
 # for 4 partial rows at N = 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows,
-# 2.40 us (profiling/results/2026-11-30-h200-final18/).
+# 2.40 us (profiling/results/benchmark/2026-11-30-h200-final18/).
 REDUCE_TILE = 4096
 REDUCE_BLOCK_P = 128
 # Rows per split of a two-stage reduction's first stage, at least.
