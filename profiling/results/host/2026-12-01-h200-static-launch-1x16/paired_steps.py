@@ -9,7 +9,7 @@ order rotating), wall time and this thread's CPU time per step; each arm's ratio
 window of the same round, median over rounds, is printed with the launchers its compile made.
 
 Run from the repository root on a CUDA machine, with the library at the commit given in the
-README: ``python profiling/results/2026-12-01-h200-static-launch-1x16/paired_steps.py llama 2048
+README: ``python profiling/results/host/2026-12-01-h200-static-launch-1x16/paired_steps.py llama 2048
 infer,train 40 15`` (family, hidden size, passes, rounds, steps per window).
 """
 

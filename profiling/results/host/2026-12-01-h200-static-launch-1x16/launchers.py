@@ -6,7 +6,7 @@ Inductor's static launcher; ``TritonCompileResult``: Triton's.
 
 Run from the repository root on a CUDA machine, with the library at the commit given in the
 README, without and with ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1``:
-``python profiling/results/2026-12-01-h200-static-launch-1x16/launchers.py``.
+``python profiling/results/host/2026-12-01-h200-static-launch-1x16/launchers.py``.
 """
 
 import collections
