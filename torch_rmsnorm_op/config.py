@@ -28,7 +28,7 @@ MAX_SPLIT = 128
 # triton.testing.do_bench, which clears L2 before every call and disagreed with the benchmark on
 # the looped rungs: 8192 columns x 16 warps at N=8192 / 16384 97.6% / 94.8% under do_bench
 # (fwd-looped-do-bench.json), 81.4% / 81.3% in the benchmark (bench-looped-8192x16.md). Files named
-# here are in profiling/results/2026-11-29-h200-tuning/ (its README gives each file's command and
+# here are in profiling/results/tuning/2026-11-29-h200-tuning/ (its README gives each file's command and
 # code); docs/design.md gives the reasons, docs/tried.md the variants that lost.
 #
 # Forward: (max N, elements per program, warps, options). Single-pass (whole rows in
@@ -38,9 +38,9 @@ MAX_SPLIT = 128
 # residual only) and ``max_m`` (at most this many rows, where M is known when the plan is made: an
 # eager call, a graph traced with static shapes; a symbolic M, or a weight wider than x, goes on
 # down: forward_config). Rungs marked "steps" are
-# from profiling/results/2026-12-01-h200-forward-steps/ (8192 rows, inputs past L2; fwd-steps.json
+# from profiling/results/tuning/2026-12-01-h200-forward-steps/ (8192 rows, inputs past L2; fwd-steps.json
 # without the residual, add-fwd-steps.json with it); "few rows" from
-# profiling/results/2026-12-02-h200-few-rows/ (few-rows.json: 16-4096 rows, inputs past L2).
+# profiling/results/tuning/2026-12-02-h200-few-rows/ (few-rows.json: 16-4096 rows, inputs past L2).
 FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
@@ -52,7 +52,7 @@ FWD_LADDER = (
     # 17.88 against 5.55 / 10.48 / 18.28, 16 rows 1.37 against 1.55; at 8192 rows 18.54 against 18.36 (real-shapes
     # sweep.json, below).
     (2048, 2048, 4, dict(mask_free=True, max_m=4096)),
-    # At the shapes models run (8192 rows, inputs past L2; profiling/results/2026-12-01-h200-real-shapes/
+    # At the shapes models run (8192 rows, inputs past L2; profiling/results/tuning/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
     # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%).
     (2048, 4096, 8, dict(mask_free=True)),
@@ -127,8 +127,9 @@ BWD_LADDER = (
     # outweigh the grid): 5.81 / 7.74 / 9.93 / 13.47 us at 2048 / 8192 / 16384 / 32768 rows, 4.03 at 256 (16 rows
     # 3.73), against the rung below as fit_to_rows cuts it 11.42 / 12.92 / 15.78 at 8192-32768 rows, and this rung
     # cut by it 6.97 / 8.91 / 10.57 / 15.06, 4.98 at 256; with the residual's gradient 8.91 / 11.03 at 8192 / 16384
-    # against 12.45 / 13.93 (n128-bwd.json in profiling/results/2026-12-02-h200-head-norm-backward/); at 65536 rows
-    # 21.77 against the rung below's 21.83 (profiling/results/2026-12-01-h200-forward-steps/n128-small-m.json).
+    # against 12.45 / 13.93 (n128-bwd.json in profiling/results/tuning/2026-12-02-h200-head-norm-backward/); at
+    # 65536 rows 21.77 against the rung below's 21.83
+    # (profiling/results/tuning/2026-12-01-h200-forward-steps/n128-small-m.json).
     (128, 8192, 4, dict(programs_per_sm=2, counted_loop=True, keep_rows=True, max_m=32768)),
     # N=128 (head norms: 131072 rows, sweep.json): 32 rows x 16 warps, 2 programs per SM 70.5% (the N=256 rung:
     # 55.0%).
@@ -139,13 +140,13 @@ BWD_LADDER = (
     # Where a tile row spans all of a program's threads, the dweight accumulator is one row
     # (launch.dweight_acc_rows): 8 rows x 2048 went from 255 registers to 174 (Triton 3.9, sm_90a;
     # profiling/resource_usage.py), and two or four programs fit on an SM. Rungs from N=1024 to 4096 by
-    # profiling/tune.py with that accumulator (profiling/results/2026-12-01-h200-backward/bwd.json):
+    # profiling/tune.py with that accumulator (profiling/results/tuning/2026-12-01-h200-backward/bwd.json):
     # N=1024 (131072 rows), counted loop 91.4% (in-kernel bounds 86.4%).
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2, counted_loop=True)),
     # N=2048 (8192 rows): 2 rows x 8 warps, 4 programs per SM: 69.9%, with the residual's gradient 76.7% (4 rows,
     # 2 per SM, counted loop, the rung before: 70.1% / 77.0%; 8 rows, 1 per SM: 64.6% / 72.7%; candidates.json).
     # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED_ROWS):
-    # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/2026-12-01-h200-summed-backward/).
+    # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/tuning/2026-12-01-h200-summed-backward/).
     # 64 registers a thread (profiling/resource_usage.py): the 4 programs fit an SM's register file.
     (2048, 4096, 8, dict(programs_per_sm=4)),
     # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop: 81.2%, with the residual's gradient 85.7% (in-kernel
@@ -161,7 +162,8 @@ BWD_LADDER = (
 # (fusion.fuse_gradient_sums; launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 terms), at most
 # the launch's own. Elsewhere such a launch halves its rows per tile, which leaves registers for the
 # terms' loads. N=2048 (8192 rows, with the residual's gradient): 2 rows (the rung's) 80.5% with 2 terms (1 row
-# 76.5%), 1 row 81.8% with 3 (2 rows below 79%; profiling/results/2026-12-01-h200-summed-backward/candidates.json).
+# 76.5%), 1 row 81.8% with 3 (2 rows below 79%;
+# profiling/results/tuning/2026-12-01-h200-summed-backward/candidates.json).
 BWD_SUMMED_ROWS = {2048: (2, 1)}
 # The same for 4-byte dtypes (fp32), where the bf16 rungs are not the best (do_bench unless marked).
 BWD_LADDER_FP32 = (
@@ -188,7 +190,7 @@ BWD_SPLIT_FP32 = ((MAX_N, 8192, 8, dict(stages=3, interleave=True)),)
 # launch, each summing dy * x * rstd over every row for its block of columns (kernels/rows.py, DW_COLUMNS),
 # instead of a partial row per row group and a reduction launch after it. Tiles of DW_COLUMN_TILE elements.
 # By profiling/tune.py --dw-columns (GPU time of the backward's launches, inputs past L2;
-# profiling/results/2026-12-02-h200-dweight-columns/dw-columns.json), us with partial rows and the
+# profiling/results/tuning/2026-12-02-h200-dweight-columns/dw-columns.json), us with partial rows and the
 # reduction / 32 / 64 / 128 columns: bf16 16 x 2048 3.11 / 1.39 / 1.70 / 2.45, 512 x 2048 8.25 / 5.86 /
 # 8.69 / 12.93, 16 x 4096 3.57 / 1.79 / 1.81 / 2.58, 512 x 4096 9.73 / 7.38 / 9.70 / 13.89, 256 x 5120
 # 7.79 / 6.74 / 6.10 / 7.96, 256 x 128 4.00 / 2.52 / 3.18 / 5.61, with the residual's gradient and dy
@@ -209,7 +211,7 @@ INTERPRETER_SM_COUNT = 4
 # 1.6%). The size is 6 MiB, between the scratch of the shapes models run, where merging cost 1.2-2.1 us
 # of a backward (4 MiB at 8192 x 2048 bf16, 512 groups: 33.9 -> 32.1 us unmerged; 2048 x 2048, 8192 x
 # 4096, 16384 x 2048 and the summed-gradient launches alike), and the 8.25 MiB at 8192 x 16384, where it
-# saved 4.2-4.7 us of 222.6 (profiling/results/2026-12-01-h200-dweight-reduction/).
+# saved 4.2-4.7 us of 222.6 (profiling/results/tuning/2026-12-01-h200-dweight-reduction/).
 MERGE_SCRATCH_BYTES = 6 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
 # dweight reduction tile (reduce_tile): a stage's partial rows per step, up to REDUCE_BLOCK_P,
@@ -226,7 +228,7 @@ REDUCE_SPLIT_ROWS = 32
 # first stage splits the partial rows too, for about this many programs per SM (fixed splits,
 # so still one fixed order). From half the SMs up one stage wins: 264 partial rows at N = 4096,
 # 128 programs, 57.1 -> 55.9 us of backward at 8192 x 4096 (one stage cost 3.2% at 131072 x 1024,
-# 1056 rows in 32 tiles; profiling/results/2026-12-01-h200-dweight-reduction/).
+# 1056 rows in 32 tiles; profiling/results/tuning/2026-12-01-h200-dweight-reduction/).
 REDUCE_PROGRAMS_PER_SM = 2
 
 
@@ -348,7 +350,7 @@ def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | 
     serve, as they do for a ``weight_dtype`` wider than ``dtype``: the few-rows rungs give
     each program one row, which reads the whole weight once a row, and were tuned with a weight
     as wide as x (at 2048 x 2048 bf16 with an fp32 weight, 1 row x 4 warps took 7.64 us against
-    the many-rows rung's 7.16; profiling/results/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
+    the many-rows rung's 7.16; profiling/results/tuning/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
     if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
         m = None
     return _forward_config(n, dtype, residual, _bound_rows(m, _FWD_ROW_BOUNDS))

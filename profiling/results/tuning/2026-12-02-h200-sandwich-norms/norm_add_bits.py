@@ -1,7 +1,7 @@
 """``rmsnorm.norm_add_fwd`` against ``rmsnorm.fwd`` then ``rmsnorm.add_fwd`` on CUDA, bf16 rows, in
 GLM 4's order (rounded before the weight, ``norm_dtype=bfloat16``), with Gemma's weight offset
 and with neither; bf16 and fp32 weights: whether one kernel ran, and how many outputs differ.
-``python profiling/results/2026-12-02-h200-sandwich-norms/norm_add_bits.py`` (from the
+``python profiling/results/tuning/2026-12-02-h200-sandwich-norms/norm_add_bits.py`` (from the
 repository root, with it on ``PYTHONPATH``)."""
 
 import torch

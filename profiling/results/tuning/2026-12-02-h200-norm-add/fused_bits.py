@@ -1,6 +1,6 @@
 """``rmsnorm.norm_add_fwd`` against ``rmsnorm.fwd`` then ``rmsnorm.add_fwd`` on CUDA: fp16 and bf16 rows,
 weights of their dtype or fp32, offset 0 and 1, 2-D and 3-D contiguous rows; which path served the
-call and how many outputs differ. ``python profiling/results/2026-12-02-h200-norm-add/fused_bits.py``"""
+call and how many outputs differ. ``python profiling/results/tuning/2026-12-02-h200-norm-add/fused_bits.py``"""
 
 import torch
 

@@ -1,6 +1,6 @@
 """The norm-add kernel (``launch.forward_norm_add``) forced onto inputs ``launch.norm_add_fuses``
 sends to two launches, on CUDA: how many outputs differ from ``rmsnorm.fwd`` then
-``rmsnorm.add_fwd``. ``python profiling/results/2026-12-02-h200-norm-add/forced_fusion_bits.py``
+``rmsnorm.add_fwd``. ``python profiling/results/tuning/2026-12-02-h200-norm-add/forced_fusion_bits.py``
 (from the repository root, with it on ``PYTHONPATH``)."""
 
 import torch
