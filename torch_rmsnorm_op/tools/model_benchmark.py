@@ -29,7 +29,7 @@ configuration is (model, hidden, layers, tokens, mode, pass, impl):
   impl times ``steps`` steps and profiles ``profile_steps``, the impls taken in
   turn (in reverse order every other round). Measured one after the other in
   one process, the same GEMM and attention kernels ran 0.4-4.6% slower in the
-  second impl's steps (profiling/results/2026-12-01-h200-models-interleaved/),
+  second impl's steps (profiling/results/models/2026-12-01-h200-models-interleaved/),
   as much as the differences this benchmark exists to measure.
 
 What each number is:
@@ -71,7 +71,7 @@ What each number is:
   Inductor's ``..._mul_sum`` reductions where the scheduler splits them off, and
   the aten ``reduce_kernel`` sums and bf16 casts stock's Llama training
   graph reduces them with: 124 µs of a step at 4x2048 tokens,
-  profiling/results/2026-12-01-h200-gradient-sums/llama-train-stock-kernels.txt).
+  profiling/results/models/2026-12-01-h200-gradient-sums/llama-train-stock-kernels.txt).
   ``norm_us`` is their sum.
 - ``norm_floor_bytes``: the least bytes all RMSNorm sites of one step must move
   (``norm_byte_floor``), counting the residual add as part of the norm where
@@ -245,7 +245,7 @@ SMOKE_VOCAB = 256
 # differently at each norm (and Inductor fuses differently), and the difference grows with
 # depth; a wrong norm (a missing weight, a wrong eps or mean) is off by far more. The logits'
 # bound is what compiling alone moves 4 layers of random bf16 weights by: stock compiled
-# against eager, 1.8e-2 to 2.4e-2 on the H200 (profiling/results/2026-12-01-h200-gradient-sums/).
+# against eager, 1.8e-2 to 2.4e-2 on the H200 (profiling/results/models/2026-12-01-h200-gradient-sums/).
 TOLERANCES: dict[str, float] = {
     "loss_rel": 5e-3,  # |loss - ref| / |ref|; the loss is computed in fp32 from bf16 logits
     "grad_rel_l2": 5e-2,  # ||g - g_ref|| / ||g_ref|| over all RMSNorm weights' gradients

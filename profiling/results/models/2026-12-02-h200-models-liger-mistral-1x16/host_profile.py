@@ -7,7 +7,7 @@ on the static launch of user-defined Triton kernels: the patched graph here laun
 through Triton's launcher (the process prints a warning saying so).
 
 Run from the repository root on a CUDA machine:
-``python profiling/results/2026-12-02-h200-models-liger-mistral-1x16/host_profile.py OUT mistral 4096 infer``
+``python profiling/results/models/2026-12-02-h200-models-liger-mistral-1x16/host_profile.py OUT mistral 4096 infer``
 (output folder, family, hidden size, pass).
 """
 

@@ -5,7 +5,7 @@ steps, 9 windows of 30 steps (wall time per step, printed), and in the first rep
 of 10 steps, written to ``OUT/host-<model>-<pass>-<mode>-<variant>.txt`` (top 30 by own time).
 
 Run from the repository root on a CUDA machine:
-``python profiling/results/2026-12-01-h200-models-4096-1x16/host_steps.py OUT llama infer,train default 2``
+``python profiling/results/models/2026-12-01-h200-models-4096-1x16/host_steps.py OUT llama infer,train default 2``
 (output folder, family, passes, compile mode, repeats of the three variants).
 """
 
