@@ -13,7 +13,6 @@ from torch_rmsnorm_op.config import (
     fit_to_rows,
     forward_config,
     next_power_of_2,
-    two_tiles,
 )
 
 
@@ -34,8 +33,6 @@ def test_every_row_length_is_covered(dtype):
             # empty); a looped program steps over any row; otherwise one block holds a whole row.
             if cfg.split > 1:
                 assert cfg.block_n * cfg.split >= n > cfg.block_n * cfg.split // 2, (n, cfg)
-            elif cfg.block_tail:  # two tiles a row cover it exactly
-                assert cfg.block_n + cfg.block_tail == n and (cfg.block_n, cfg.block_tail) == two_tiles(n), (n, cfg)
             elif not cfg.looped:
                 assert cfg.block_n >= n, (n, cfg)
             assert cfg.num_warps * 32 <= cfg.block_n * cfg.rows or cfg.block_n * cfg.rows < 128, (n, cfg)
@@ -56,13 +53,6 @@ def test_forward_rungs_that_only_some_row_lengths_take():
     assert forward_config(5120, torch.float32) == forward_config(5120, torch.float32, residual=True)
     assert forward_config(1536, bf16) == forward_config(1536, bf16, residual=True)
     assert (forward_config(1536, bf16).rows, forward_config(1536, bf16).num_warps) == (1, 4)
-
-
-def test_two_tiles_split_a_row_length_into_two_powers_of_two():
-    assert [two_tiles(n) for n in (3, 1536, 3072, 4608, 5120, 6144, 2304, 12288)] == [(2, 1),
-        (1024, 512), (2048, 1024), (4096, 512), (4096, 1024), (4096, 2048), (2048, 256), (8192, 4096)]
-    for n in (1, 2, 4, 2048, 3584, 5632, 7168, 8191, 8192):  # a power of two, or three bits or more
-        assert two_tiles(n) is None, n
 
 
 def test_dweight_scratch_merges_in_pairs_only_where_it_is_large():

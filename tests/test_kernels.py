@@ -30,12 +30,8 @@ FORWARD = {
 BACKWARD = {
     "rows": KernelConfig(64, 2, 4, programs_per_sm=1),
     "rows-counted-reload": KernelConfig(64, 2, 4, programs_per_sm=2, counted_loop=True, reload=True),
-    # a row as two tiles, 32 columns and 16: N = 48 (BACKWARD_N)
-    "rows-tail": KernelConfig(32, 2, 4, programs_per_sm=1, block_tail=16),
     "split": KernelConfig(16, 1, 4, split=4, stages=2, interleave=True),
 }
-# The row length each backward strategy is tested at: N = block_n + block_tail for two tiles a row.
-BACKWARD_N = {name: cfg.block_n + cfg.block_tail if cfg.block_tail else 60 for name, cfg in BACKWARD.items()}
 
 
 def _input(kind: str, m: int, n: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -92,7 +88,7 @@ def test_forward_strategies(device, strategy, layout, residual):
 @pytest.mark.parametrize("residual_grad", [False, True])
 @pytest.mark.parametrize("with_weight", [True, False])
 def test_backward_strategies(device, strategy, layout, residual_grad, with_weight):
-    n, m = BACKWARD_N[strategy], 18
+    n, m = 60, 18
     x = _input(layout, m, n, torch.float32, device)
     w = torch.randn(n, device=device) if with_weight else None
     dy = torch.randn(x.shape, device=device)
@@ -109,11 +105,10 @@ def test_backward_strategies(device, strategy, layout, residual_grad, with_weigh
         torch.testing.assert_close(dw.double(), dw_ref, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("strategy", ["rows", "rows-tail", "split"])
+@pytest.mark.parametrize("strategy", ["rows", "split"])
 def test_backward_is_bitwise_deterministic(device, strategy):
-    n = BACKWARD_N[strategy]
-    x = torch.randn(40, n, device=device)
-    w, dy = torch.randn(n, device=device), torch.randn(40, n, device=device)
+    x = torch.randn(40, 60, device=device)
+    w, dy = torch.randn(60, device=device), torch.randn(40, 60, device=device)
     _, rstd = reference.rms_norm_forward(x, w, EPS)
     plan = dataclasses.replace(dispatch.backward_plan(x, w, dy.dtype), cfg=BACKWARD[strategy])
     outs = []
@@ -124,7 +119,7 @@ def test_backward_is_bitwise_deterministic(device, strategy):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("strategy", ["rows", "rows-tail", "split"])
+@pytest.mark.parametrize("strategy", ["rows", "split"])
 @pytest.mark.parametrize("terms", [2, 3])
 def test_backward_sums_its_gradient_terms(device, strategy, terms):
     """``dy_terms``: the kernel adds the gradient's terms as Inductor's fused sum does (in fp32,
@@ -133,9 +128,8 @@ def test_backward_sums_its_gradient_terms(device, strategy, terms):
     tiles keep their rows (split); where they hold fewer (rows: 2 → 1), its rows are added in
     another order in fp32 before the one rounding to bf16, which may then differ in the last
     place."""
-    n = BACKWARD_N[strategy]
-    x = torch.randn(18, n, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, device=device, dtype=torch.bfloat16)
+    x = torch.randn(18, 60, device=device, dtype=torch.bfloat16)
+    w = torch.randn(60, device=device, dtype=torch.bfloat16)
     parts = [torch.randn(x.shape, device=device, dtype=x.dtype) for _ in range(terms)]
     total = sum(p.float() for p in parts).to(x.dtype)
     _, rstd = reference.rms_norm_forward(x, w, EPS)
@@ -151,32 +145,6 @@ def test_backward_sums_its_gradient_terms(device, strategy, terms):
         assert torch.equal(dw_terms, dw_sum)
     else:
         torch.testing.assert_close(dw_terms, dw_sum, **few_roundings(torch.bfloat16))
-
-
-@pytest.mark.parametrize("strategy", ["rows", "rows-tail"])
-def test_backward_merges_its_dweight_partials_in_pairs(device, strategy, monkeypatch):
-    """With the scratch thresholds at zero every backward merges its row groups' dweight
-    partials in pairs (``kernels.common._merge_partial``; two tiles a row take a flag each):
-    dweight against the reference, the same bits from run to run, dx as without merging."""
-    n = BACKWARD_N[strategy]
-    x = torch.randn(40, n, device=device)
-    w, dy = torch.randn(n, device=device), torch.randn(40, n, device=device)
-    _, rstd = reference.rms_norm_forward(x, w, EPS)
-    plan = dataclasses.replace(dispatch.backward_plan(x, w, dy.dtype), cfg=BACKWARD[strategy])
-    dx_alone = torch.empty_like(x)
-    launch.backward(plan, dy, x, w, rstd, dx_alone, torch.empty_like(w))
-    monkeypatch.setattr(launch, "MERGE_SCRATCH_BYTES", 0)
-    monkeypatch.setattr(launch, "MERGE_SCRATCH_SHARE", 0)
-    groups, _ = launch.row_groups(40, n, x.device, plan.cfg)
-    assert groups > 2 and launch.merged_partials(groups, 40, n, x.dtype)
-    outs = []
-    for _ in range(2):
-        dx, dw = _poison(x.shape, x.dtype, device), _poison(w.shape, w.dtype, device)
-        launch.backward(plan, dy, x, w, rstd, dx, dw)
-        outs.append((dx, dw))
-    _, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd)
-    torch.testing.assert_close(outs[0][1].double(), dw_ref, **TOL[torch.float32])
-    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], dx_alone)
 
 
 def test_backward_rejects_unlike_gradient_terms(device):
