@@ -42,13 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_rmsnorm_op import dispatch, launch, reference  # noqa: E402
-from torch_rmsnorm_op.config import (  # noqa: E402
-    KernelConfig,
-    backward_config,
-    fit_to_rows,
-    forward_config,
-    two_tiles,
-)
+from torch_rmsnorm_op.config import KernelConfig, backward_config, fit_to_rows, forward_config  # noqa: E402
 
 EPS = 1e-6
 ROTATE_BYTES = 512 * 2**20  # over 8x the H200's 60 MB L2
@@ -79,17 +73,12 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
 
 def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM, each with both row-loop
-    forms, and where N is the sum of two powers of two the same as two tiles a row
-    (``KernelConfig.block_tail``); the table's configuration with a second read of x and dy,
-    and with prefetching."""
+    forms; the table's configuration with a second read of x and dy, and with prefetching."""
     block = triton.next_power_of_2(n)
-    tiles = two_tiles(n)
     out = [KernelConfig(block, tile // block, warps, 1, pps, counted_loop=counted)
            for tile, warps, pps, counted in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8),
                                                               (False, True))
            if tile >= block and warps * 32 * 4 <= tile]
-    if tiles:
-        out += [dataclasses.replace(c, block_n=tiles[0], block_tail=tiles[1]) for c in list(out)]
     if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
         out += [dataclasses.replace(cfg, reload=True), dataclasses.replace(cfg, stages=2),
                 dataclasses.replace(cfg, stages=2, counted_loop=not cfg.counted_loop)]

@@ -257,10 +257,7 @@ class KernelConfig:
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory;
     ``dw_columns`` (single-pass backward) > 0: dweight from programs of ``dw_columns`` columns
-    each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows;
-    ``block_tail`` (single-pass backward) > 0: a row is a tile of ``block_n`` columns and then
-    one of ``block_tail``, for N = ``block_n + block_tail`` exactly (both powers of two), so that
-    no lane is masked."""
+    each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows."""
 
     block_n: int
     rows: int
@@ -275,7 +272,6 @@ class KernelConfig:
     interleave: bool = False
     keep_rows: bool = False
     dw_columns: int = 0
-    block_tail: int = 0
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -291,18 +287,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
         if self.dw_columns and (self.split != 1 or self.looped or self.dw_columns & (self.dw_columns - 1)):
             raise ValueError(f"KernelConfig: dw_columns is a power of two, for the single-pass backward, got {self}")
-        if self.block_tail and (self.split != 1 or self.looped or self.reload or self.block_tail >= self.block_n
-                                or self.block_tail & (self.block_tail - 1)):
-            raise ValueError(f"KernelConfig: block_tail is a power of two below block_n, for the single-pass backward "
-                             f"without reload, got {self}")
-
-
-def two_tiles(n: int) -> tuple[int, int] | None:
-    """``(head, tail)``, both powers of two with ``head > tail`` and ``head + tail == n``, where
-    N is such a sum (1,536, 3,072, 5,120, 6,144, ...), else None."""
-    head = next_power_of_2(n) // 2
-    tail = n - head
-    return (head, tail) if 0 < tail < head and tail & (tail - 1) == 0 else None
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:
@@ -311,9 +295,8 @@ def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, 
         if n <= max_n:
             options = dict(options)
             divides, plain = options.pop("divides", False), options.pop("plain", False)
-            max_m, tiles = options.pop("max_m", None), options.pop("tail", False) and two_tiles(n)
-            if ((divides and n % elements) or (plain and residual) or (max_m is not None and (m is None or m > max_m))
-                    or tiles is None):
+            max_m = options.pop("max_m", None)
+            if (divides and n % elements) or (plain and residual) or (max_m is not None and (m is None or m > max_m)):
                 continue
             looped = options.get("looped", False)
             if looped:  # elements = columns per step, one row per program
@@ -321,8 +304,6 @@ def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, 
             rows = 1 if looped else max(1, elements // block)
             # Tiny tiles (small N): fewer warps than the rung's, at least 4 elements per thread.
             warps = max(1, min(warps, block * rows // 128))
-            if tiles:  # the row as two tiles, rows per program as for one of N's next power of two
-                return KernelConfig(tiles[0], rows, warps, 1, block_tail=tiles[1], **options)
             return KernelConfig(block, rows, warps, 1, **options)
     _, split_block, warps, options = next(rung for rung in split_ladder if n <= rung[0])
     split = min(next_power_of_2(cdiv(n, split_block)), MAX_SPLIT)

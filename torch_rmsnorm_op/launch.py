@@ -107,8 +107,6 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
     contiguous values. ``kernels`` replaces the package's kernels (a namespace with the same
     names; for tests)."""
     cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
-    if cfg.block_tail:
-        raise ValueError(f"forward: block_tail is a backward configuration, got {cfg}")
     if m == 0:
         return
     has_residual = residual is not None
@@ -305,11 +303,10 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
                    LEAD_DIMS=lead_dims, PHASE=0, STAGES=cfg.stages, MERGE=merge, INTERLEAVE=cfg.interleave,
                    WEIGHT_OFFSET=weight_offset, DY_TERMS=1)
     else:
-        out = dict(BLOCK_N=cfg.block_n, BLOCK_TAIL=cfg.block_tail, ROWS=cfg.rows, HAS_WEIGHT=has_weight,
-                   HAS_DRES=has_dres, LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload,
-                   STAGES=cfg.stages, MERGE=merge, WEIGHT_OFFSET=weight_offset,
-                   ACC_ROWS=dweight_acc_rows(cfg, elem_bytes), DY_TERMS=1,
-                   DW_COLUMNS=cfg.dw_columns if has_weight else 0, DW_ROWS=dw_rows)
+        out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
+                   LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
+                   MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes),
+                   DY_TERMS=1, DW_COLUMNS=cfg.dw_columns if has_weight else 0, DW_ROWS=dw_rows)
     return MappingProxyType(out)
 
 
@@ -373,8 +370,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
             # buffer that another kernel also writes makes the graph copy and re-allocate it.
             partial = torch.empty((rows, n), dtype=torch.float32, device=device)
             mid = torch.empty((splits, n), dtype=torch.float32, device=device) if splits > 1 else None
-        if merge:  # a flag per partial row, per split program or tile of a row
-            flags = torch.zeros(rows * cfg.split * (2 if cfg.block_tail else 1), dtype=torch.int32, device=device)
+        if merge:
+            flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     placeholder = x  # pointers the kernel does not read under its constexprs
     terms = (*dy_terms, dy, dy)[:2]  # dy stands in for the terms the kernel does not read
     ptrs = [dy, *terms, x, placeholder if weight is None else weight, rstd, dx,

@@ -7,10 +7,7 @@ the sum, all in registers: x and the residual read once, the sum and y written o
 
 Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile at a
 time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is groups x
-N, never M x N; ``reduce.py`` sums the partials in a fixed order). Where N is the sum of two
-powers of two (``BLOCK_TAIL``: 5,120 = 4,096 + 1,024), a row is two tiles, ``BLOCK_N`` columns
-and then ``BLOCK_TAIL``, so no lane is masked, where one tile of N's next power of two would
-leave 37.5% of them idle at 5,120. Over a few rows
+N, never M x N; ``reduce.py`` sums the partials in a fixed order). Over a few rows
 (``DW_COLUMNS``) the launch has programs of a second kind after the row groups: each sums
 dweight over every row for a block of columns, from dy, x and the saved rstd, and writes it;
 the row groups then write dx only, and no scratch or reduction launch is needed.
@@ -199,7 +196,7 @@ def _rms_norm_bwd_rows(
     DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES)
     DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials;
     # dweight itself [N] with one row group, or with DW_COLUMNS
-    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros (twice as many with BLOCK_TAIL), _merge_partial's flags
+    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros, _merge_partial's flags
     M,
     N,
     rows_per_group,
@@ -212,7 +209,6 @@ def _rms_norm_bwd_rows(
     dx_stride,
     dres_stride,
     BLOCK_N: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,  # > 0: N = BLOCK_N + BLOCK_TAIL, the row's last BLOCK_TAIL columns a tile of their own
     ROWS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     HAS_DRES: tl.constexpr,
@@ -247,12 +243,6 @@ def _rms_norm_bwd_rows(
     # each tile as it goes, which costs nothing where every thread holds whole columns of the
     # tile (launch.dweight_acc_rows) and saves ROWS - 1 rows of registers.
     dw_acc = tl.zeros([ACC_ROWS, BLOCK_N], dtype=tl.float32)
-    if BLOCK_TAIL > 0:
-        tail_cols = BLOCK_N + tl.arange(0, BLOCK_TAIL)
-        tail_col_mask = tail_cols < N
-        if HAS_WEIGHT:
-            w_tail = _weight(tl.load(W + tail_cols, mask=tail_col_mask, other=0.0), WEIGHT_OFFSET)
-        dw_tail = tl.zeros([ACC_ROWS, BLOCK_TAIL], dtype=tl.float32)
     # The loop form alone moves the backward by several % of copy, each way at different N,
     # so the table picks it per rung.
     if COUNTED_LOOP:
@@ -262,8 +252,8 @@ def _rms_norm_bwd_rows(
     for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
         rows = base + first + tl.arange(0, ROWS)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
-        x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
-        x_ptrs = X + x_rows[:, None] + cols[None, :]
+        x_ptrs = X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None] \
+            + cols[None, :]
         dy_offs = rows[:, None] * dy_stride + cols[None, :]
         x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
         dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_last" if RELOAD else "", DY_TERMS).to(tl.float32)
@@ -273,19 +263,7 @@ def _rms_norm_bwd_rows(
             u = dy * w[None, :]
             if PARTIALS and not RELOAD:
                 dw_acc = _accumulate(dw_acc, dy * x * rstd[:, None], ACC_ROWS)
-        c = tl.sum(u * x, axis=1)
-        if BLOCK_TAIL > 0:
-            tail_mask = (rows < row_end)[:, None] & tail_col_mask[None, :]
-            x_tail = _load_f32(X + x_rows[:, None] + tail_cols[None, :], tail_mask, "")
-            dy_tail = _load_dy(DY, DY2, DY3, rows[:, None] * dy_stride + tail_cols[None, :], tail_mask, "",
-                               DY_TERMS).to(tl.float32)
-            u_tail = dy_tail
-            if HAS_WEIGHT:
-                u_tail = dy_tail * w_tail[None, :]
-                if PARTIALS:
-                    dw_tail = _accumulate(dw_tail, dy_tail * x_tail * rstd[:, None], ACC_ROWS)
-            c += tl.sum(u_tail * x_tail, axis=1)
-        c = c / N
+        c = tl.sum(u * x, axis=1) / N
         if RELOAD:
             # Rather than keep x and dy in registers across the row sum (Inductor's loops do
             # the same); another eviction policy, so the compiler cannot merge the loads.
@@ -300,16 +278,5 @@ def _rms_norm_bwd_rows(
         if HAS_DRES:
             dx += _load_f32(DRES + rows[:, None] * dres_stride + cols[None, :], mask, "")
         tl.store(DX + rows[:, None] * dx_stride + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        if BLOCK_TAIL > 0:
-            dx_tail = (u_tail - x_tail * (rstd * rstd * c)[:, None]) * rstd[:, None]
-            if HAS_DRES:
-                dx_tail += _load_f32(DRES + rows[:, None] * dres_stride + tail_cols[None, :], tail_mask, "")
-            tl.store(DX + rows[:, None] * dx_stride + tail_cols[None, :], dx_tail.to(DX.dtype.element_ty),
-                     mask=tail_mask)
     if PARTIALS:
-        if BLOCK_TAIL > 0:  # a merge flag for each of the two tiles' columns
-            _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 2, 0, MERGE)
-            _store_partial(tl.sum(dw_tail, axis=0), DW_PARTIAL, DW_FLAGS, group, N, tail_cols, tail_col_mask, 2,
-                           1, MERGE)
-        else:
-            _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
+        _store_partial(tl.sum(dw_acc, axis=0), DW_PARTIAL, DW_FLAGS, group, N, cols, col_mask, 1, 0, MERGE)
