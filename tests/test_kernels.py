@@ -147,6 +147,30 @@ def test_backward_sums_its_gradient_terms(device, strategy, terms):
         torch.testing.assert_close(dw_terms, dw_sum, **few_roundings(torch.bfloat16))
 
 
+def test_backward_merges_its_dweight_partials_in_pairs(device, monkeypatch):
+    """With the scratch thresholds at zero the backward merges its row groups' dweight partials
+    in pairs (``kernels.common._merge_partial``): dweight against the reference, the same bits
+    from run to run, dx as without merging."""
+    x = torch.randn(40, 60, device=device)
+    w, dy = torch.randn(60, device=device), torch.randn(40, 60, device=device)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dataclasses.replace(dispatch.backward_plan(x, w, dy.dtype), cfg=BACKWARD["rows"])
+    dx_alone = torch.empty_like(x)
+    launch.backward(plan, dy, x, w, rstd, dx_alone, torch.empty_like(w))
+    monkeypatch.setattr(launch, "MERGE_SCRATCH_BYTES", 0)
+    monkeypatch.setattr(launch, "MERGE_SCRATCH_SHARE", 0)
+    groups, _ = launch.row_groups(40, 60, x.device, plan.cfg)
+    assert groups > 2 and launch.merged_partials(groups, 40, 60, x.dtype)
+    outs = []
+    for _ in range(2):
+        dx, dw = _poison(x.shape, x.dtype, device), _poison(w.shape, w.dtype, device)
+        launch.backward(plan, dy, x, w, rstd, dx, dw)
+        outs.append((dx, dw))
+    _, dw_ref = reference.rms_norm_backward(dy.double(), x.double(), w.double(), rstd)
+    torch.testing.assert_close(outs[0][1].double(), dw_ref, **TOL[torch.float32])
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], dx_alone)
+
+
 def test_backward_rejects_unlike_gradient_terms(device):
     x = torch.randn(4, 8, device=device)
     w, dy = torch.randn(8, device=device), torch.randn(4, 8, device=device)
