@@ -222,6 +222,16 @@ def test_liger_takes_what_each_norm_computes(monkeypatch, family, settings):
     assert mb.norm_modules(model) == norms
 
 
+def test_every_size_is_a_consistent_layer():
+    """Each hidden size's heads of head_dim make up the hidden size and share the kv heads
+    evenly; the default run measures sizes the table holds."""
+    for hidden, size in mb.SIZES.items():
+        assert size.heads * size.head_dim == hidden and size.heads % size.kv_heads == 0, hidden
+        spec = mb.ModelSpec.of("qwen2", hidden)
+        assert (spec.hidden, spec.layers, spec.intermediate) == (hidden, size.layers, size.intermediate)
+    assert set(mb.DEFAULT_HIDDENS) <= set(mb.SIZES) and mb.Selection().hiddens == mb.DEFAULT_HIDDENS
+
+
 def test_selection_rejects_bad_input():
     with pytest.raises(ValueError, match="models must be"):
         mb.Selection(models=("gpt2",))
