@@ -214,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser(
         "bench", help="time ours vs Inductor vs eager over a shape sweep, with the copy ceiling (GPU; --smoke on CPU)"
     )
-    bench.add_argument("--out", default="profiling/results", help="output folder (default: profiling/results)")
+    bench.add_argument("--out", default="profiling/results/benchmark",
+                       help="output folder (default: profiling/results/benchmark)")
     bench.add_argument("--iters", type=int, default=20, help="iterations per timed window")
     bench.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
     bench.add_argument("--quick", action="store_true", help="fewer shapes")
@@ -270,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--compile-only", action="store_true",
                         help="compile the selected configurations (one step each) and time nothing")
     models.add_argument("--plan", action="store_true", help="print the configurations and compile count, run nothing")
-    models.add_argument("--out", default="profiling/results", help="output folder (default: profiling/results)")
+    models.add_argument("--out", default="profiling/results/models",
+                        help="output folder (default: profiling/results/models)")
     models.add_argument("--fresh", action="store_true",
                         help="replace the results file of this date and GPU instead of merging into it")
     models.add_argument("--rederive", metavar="FILE",
