@@ -190,7 +190,10 @@ def test_family_under_inductor(device, family):
     if device.type == "cpu":  # a compiled CPU graph calls the ops: every residual add before a norm fused
         # (into add_fwd, or with the norm before it into norm_add_fwd, whose backward calls add_bwd)
         fused = calls.get("rmsnorm.add_fwd", 0) + calls.get("rmsnorm.norm_add_fwd", 0)
-        assert fused and fused == calls.get("rmsnorm.add_bwd", 0), T.dispatch_stats()
+        if family == "granite":  # each residual branch scaled: the scale, the add and the norm left to Inductor
+            assert not fused and not calls.get("rmsnorm.fwd", 0), T.dispatch_stats()
+        else:
+            assert fused and fused == calls.get("rmsnorm.add_bwd", 0), T.dispatch_stats()
 
 
 # The survey: every RMSNorm class in the installed transformers, found in the source (nothing

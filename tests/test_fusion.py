@@ -148,15 +148,19 @@ W = torch.rand(8) + 0.5
     ("in place", lambda a, b: T.rms_norm(a.clone().add_(b), (8,), W), False),
     ("a view of the sum", lambda a, b: T.rms_norm((a + b)[:, :4].reshape(-1, 8), (8,), W), False),
     ("float64", lambda a, b: T.rms_norm(a.double() + b.double(), (8,), W.double()), False),
-    ("a scaled branch", lambda a, b: T.rms_norm(a + b * 0.5, (8,), W), True),  # Granite's residual add
+    ("a scaled branch", lambda a, b: T.rms_norm(a + b * 0.5, (8,), W), False),  # Granite's residual add, for Inductor
+    ("a scaled branch read again",
+     lambda a, b: (lambda p: (T.rms_norm(a + p, (8,), W), p))(b * 0.5), True),
     ("two products", lambda a, b: T.rms_norm(a * 2.0 + b * 3.0, (8,), W), False),  # RoPE's sum, for Inductor
     ("two products, one read again",
-     lambda a, b: (lambda p: (T.rms_norm(p + b * 3.0, (8,), W), p))(a * 2.0), True),
+     lambda a, b: (lambda p: (T.rms_norm(p + b * 3.0, (8,), W), p))(a * 2.0), False),
+    ("two products, both read again",
+     lambda a, b: (lambda p, q: (T.rms_norm(p + q, (8,), W), p, q))(a * 2.0, b * 3.0), True),
 ])
 def test_what_is_rewritten(name, f, fused):
     """Only an out-of-place add of two tensors of one shape, in fp16/bf16/fp32, feeding the norm
-    directly, and not of two elementwise results that nothing else reads; the rewritten graph
-    computes what the original does."""
+    directly, and not with a term that is an elementwise result nothing else reads; the
+    rewritten graph computes what the original does."""
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     gm, inputs = _graph(f, a, b)
     want = gm(*inputs)
@@ -279,12 +283,14 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(_rope(x.transpose(1, 2), c, s), (16,), W16), PROJ), True),
     ("after a residual sum, then a projection",
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x + x.flip(0), (16,), W16), PROJ), False),
+    ("after a scaled residual branch, then a projection",  # Granite's
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x.flip(0) + x * 0.25, (16,), W16), PROJ), True),
 ])
 def test_which_norms_are_left_to_inductor(name, f, left):
     """Only a norm whose output nothing but elementwise ops (through views) reads, whose input
-    is an embedding lookup (through views and elementwise ops), or whose input is a sum of two
-    elementwise results nothing else reads (RoPE's), is replaced by torch ops; the graph
-    computes what it computed before."""
+    is an embedding lookup (through views and elementwise ops), or whose input is a sum with a
+    term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch), is
+    replaced by torch ops; the graph computes what it computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -738,19 +744,22 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
     # joins a fused residual add
     ("Olmo2Config", "Olmo2ForCausalLM", 7, 1),  # q/k norms, and the norms read only by a residual add (the first
     # norm reads attention's output, not the embeddings); the last MLP norm joins the last add and the final norm
+    ("GraniteConfig", "GraniteForCausalLM", 5, 0),  # the first input norm (scaled embeddings), and every norm
+    # after a scaled residual branch
 ])
 def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, joined, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
     its code gives norms whose output only elementwise ops read, whose input is the embeddings
-    or whose input is RoPE's sum, and as many ``norm_add_fwd`` as it has norms read only by a
-    residual add that a norm reads; logits match the unpatched model."""
+    or whose input is RoPE's sum or Granite's scaled branch, and as many ``norm_add_fwd`` as it
+    has norms read only by a residual add that a norm reads; logits match the unpatched model."""
     counts = []
     for name in ("fuse_norm_add_norms", "decompose_epilogue_norms"):
         real = getattr(fusion, name)
         monkeypatch.setattr(fusion, name, lambda graph, real=real: counts.append(real(graph)) or counts[-1])
     cfg = getattr(transformers, config)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="eager")
+        head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="eager",
+        residual_multiplier=0.5, embedding_multiplier=2.0)  # Granite's; the other configs keep them as attributes
     torch.manual_seed(0)
     stock = getattr(transformers, model)(cfg).eval()
     patched = copy.deepcopy(stock)

@@ -26,10 +26,11 @@ the sum's own gradient into dx. Model code stays as it is.
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
 whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
-a float eps under dynamic shapes, moves up before the add). Nor is a sum of two elementwise
-results that nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``): Inductor computes
-it in the kernel of its terms, where the fused op would need both terms written for it; the
-norm after it is left to Inductor (below). The fused op computes the sum as torch does (in
+a float eps under dynamic shapes, moves up before the add). Nor is a sum with a term that is
+an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's
+and MiniCPM's scaled branch ``residual + hidden * multiplier``): Inductor computes it in the
+kernel of that term, where the fused op would need the term written for it; the norm after it
+is left to Inductor (below). The fused op computes the sum as torch does (in
 fp32, rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it
 with the unfused op's kernel configuration, so y is too, except at N where
 the table keeps a rung for the forward without a residual (``plain`` in ``config.FWD_LADDER``:
@@ -63,14 +64,17 @@ model: its kernels, not ours, with the stock model's numerics. The same holds fo
 decoder layer's input norm, whose input is the embedding lookup (or Gemma's scaled embeddings):
 stock Inductor gathers the embedding rows in that norm's kernel, and in its backward adds the
 norm's gradient into the embedding's, where our op would need the embeddings written for it and
-its dx written for the embedding's backward. So too a norm whose input is a sum of two
-elementwise results nothing else reads (HunYuan's q/k norms, after RoPE): stock Inductor reads
-the heads once and writes the normalized ones, where our op would read the rotated heads
-written for it (4 passes over the heads against 2, forward). Any other norm stays ours: one
-whose output a projection's matmul, our ops or the graph's output reads, and, since the
-rewrite runs after the residual rewrite, one whose output feeds a fused add (Gemma's
-post-attention norms). Turn it off with ``set_epilogue_decomposition(False)`` or
-``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in the same ``pre_grad_custom_pass``.
+its dx written for the embedding's backward. So too a norm whose input is a sum with a term
+that is an elementwise result nothing else reads: HunYuan's q/k norms, after RoPE, where stock
+Inductor reads the heads once and writes the normalized ones and our op would read the rotated
+heads written for it (4 passes over the heads against 2, forward); Granite's norms after each
+scaled residual branch, where stock Inductor reads the branch and the residual and writes the
+sum and y, and the fused op would need the scaled branch written for it (6 passes against 4).
+Any other norm stays ours: one whose output a projection's matmul, our ops or the graph's
+output reads, and, since the rewrite runs after the residual rewrite, one whose output feeds a
+fused add (Gemma's post-attention norms). Turn it off with
+``set_epilogue_decomposition(False)`` or ``TORCH_RMSNORM_OP_INDUCTOR_EPILOGUES=0``; it runs in
+the same ``pre_grad_custom_pass``.
 
 **Gradient sums.** A norm's output usually feeds several ops: the q, k and v projections, or
 the MLP's gate and up projections. Autograd sums their gradients (``add(add(dq, dk), dv)``)
@@ -199,11 +203,12 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _pointwise_sum(node: object) -> bool:
-    """Whether ``node`` adds two elementwise results that nothing else reads (RoPE's ``q * cos +
-    rotate_half(q) * sin``): Inductor computes such a sum in the kernel of its terms, and a norm
-    after it in the same kernel (``decompose_epilogue_norms``)."""
-    return isinstance(node, Node) and _is_add(node) and all(
-        _is_pointwise(a) and len(a.users) == 1 for a in node.args)
+    """Whether ``node`` adds an elementwise result that nothing else reads to another tensor
+    (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's ``residual + hidden * multiplier``):
+    Inductor computes such a sum in the kernel of that term, and a norm after it in the same
+    kernel (``decompose_epilogue_norms``), where the fused op would need the term written for it."""
+    return isinstance(node, Node) and _is_add(node) and any(
+        isinstance(a, Node) and _is_pointwise(a) and len(a.users) == 1 for a in node.args)
 
 
 def _fusable(add: Node) -> bool:
@@ -462,8 +467,9 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     and whose output only elementwise ops read (through views; Qwen3's q/k norms, read by
     RoPE), whose input is an embedding lookup (the first decoder layer's input norm: the
     gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
-    input is a sum of two elementwise results nothing else reads (HunYuan's q/k norms, after
-    RoPE); returns how many. Every other norm stays as it is."""
+    input is a sum with a term that is an elementwise result nothing else reads (HunYuan's q/k
+    norms, after RoPE; Granite's norms after its scaled residual branches); returns how many.
+    Every other norm stays as it is."""
     count = 0
     for norm in list(graph.nodes):
         if not _is_norm(norm) or not norm.users:

@@ -181,9 +181,15 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
 }
 DEFAULT_MODELS = ("llama", "qwen3", "mistral")
-# Phi3's and GLM 4's defaults put pad and eos at ids outside a 32000-token vocabulary.
-FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {"phi3": {"pad_token_id": None, "eos_token_id": None},
-                                            "glm4": {"pad_token_id": None, "eos_token_id": None}}
+# Phi3's and GLM 4's defaults put pad and eos at ids outside a 32000-token vocabulary. Granite's
+# defaults scale nothing (every multiplier 1, attention's too, where its models take 1/head_dim):
+# it takes Granite 3.0 8B's, whose head_dim of 128 every size here has.
+FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {
+    "phi3": {"pad_token_id": None, "eos_token_id": None},
+    "glm4": {"pad_token_id": None, "eos_token_id": None},
+    "granite": {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                "logits_scaling": 16.0},
+}
 # Families whose attention normalizes q and k per head (rows of head_dim).
 QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3", "exaone4"})
 # Families whose layers also normalize the attention's and the MLP's outputs before the
