@@ -51,3 +51,24 @@ def tiny_llama(norm_weights: tuple[float, float]):
             if type(m).__name__.endswith("RMSNorm"):
                 m.weight.uniform_(*norm_weights)
     return model
+
+
+def run_once(tmp_path_factory, name: str, produce):
+    """``produce(folder)``'s result (JSON), computed once per test run and shared by every test and
+    worker process that asks for ``name``: the first caller runs it in a folder of its own while
+    the others wait on a file lock, then read what it wrote. A failed run records nothing, so
+    each caller that asks again runs it again and fails on its own."""
+    import json
+    import os
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the folder the workers of this run share
+    folder, done = root / f"once-{name}", root / f"once-{name}.json"
+    with FileLock(str(root / f"once-{name}.lock")):
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(json.dumps(produce(folder)))
+    return folder, json.loads(done.read_text())

@@ -1,4 +1,5 @@
-"""Test setup: where the kernels run, the ``cuda`` marker, and a clean policy per test.
+"""Test setup: where the kernels run, the ``cuda`` marker, the order tests start in, and a clean
+policy per test.
 
 Without CUDA the kernels run on CPU tensors through the Triton interpreter,
 which must be chosen before any kernel is defined, hence before the package
@@ -19,11 +20,71 @@ from torch_rmsnorm_op import fallback  # noqa: E402
 HAS_CUDA = torch.cuda.is_available()
 
 
+# The tests that take longest on CPU (their fixtures' runs included), longest first. They start
+# first, and with several workers (``-n``) each worker takes the next test when it is free, so
+# that no worker is left running a long test alone at the end.
+LONGEST_ON_CPU = [
+    "test_training.py::test_resume_after_sigterm_is_bit_exact",
+    "test_model_compile.py::test_cpu_aoti_package_computes_the_norms_without_python",
+    "test_fusion.py::test_a_model_compiled_with_a_dynamic_batch_fuses_in_one_graph_for_every_batch_size",
+    "test_model_benchmark.py::test_smoke_run_writes_the_declared_schema",
+    "test_families.py::test_family_under_inductor[qwen3_next]",
+    "test_families.py::test_family_under_inductor[gemma3n]",
+    "test_demo.py::test_demo_writes_runs_summary_and_says_how_to_view",
+    "test_bench.py::test_bench_smoke_writes_the_declared_schema",
+    "test_ops.py::test_opcheck_every_mode[split]",
+    "test_compile.py::test_cpu_graphs_with_and_without_the_interpreter_are_cached_apart",
+    "test_fusion.py::test_families_leave_to_inductor_the_norms_only_elementwise_ops_read[Qwen3Moe",
+    "test_model_compile.py::test_compiled_training_step_matches_eager_stock",
+    "test_ops.py::test_opcheck_every_mode[table]",
+    "test_compile.py::test_cpu_graph_without_the_interpreter_compiles_the_reference",
+    "test_training.py::test_integration_run",
+    "test_model_compile.py::test_compiled_patched_model_matches_stock[True-inductor]",
+    "test_fusion.py::test_families_leave_to_inductor_the_norms_only_elementwise_ops_read[Gemma3Text",
+    "test_families.py::test_family_under_inductor[gemma2]",
+    "test_fusion.py::test_every_decoder_layer_fuses_its_residual_adds",
+    "test_fusion.py::test_families_leave_to_inductor_the_norms_only_elementwise_ops_read[HunYuan",
+    "test_ops.py::test_opcheck_add_ops_and_keywords[split]",
+    "test_model_compile.py::test_mark_dynamic_no_recompiles_across_batch_sizes",
+    "test_cli.py::test_check_prints_table_progress_and_passes",
+    "test_families.py::test_family_under_inductor",
+    "test_fusion.py::test_families_leave_to_inductor_the_norms_only_elementwise_ops_read",
+    "test_fusion.py::test_gemma3_norms_around_each_residual_add_run_as_one_op",
+    "test_fusion.py::test_leaving_norms_to_inductor_can_be_turned_off",
+    "test_fusion.py::test_the_rewrite_keeps_the_bits_and_can_be_turned_off",
+    "test_bench.py::test_tune_dry_run_checks_every_candidate_and_writes_its_json",
+    "test_bench.py::test_table_fits_in_registers",
+    "test_distributed.py::",
+    "test_model_compile.py::",
+    "test_ops.py::test_opcheck",
+    "test_ops.py::test_deterministic_bitwise",
+    "test_peft.py::",
+    "test_compile.py::",
+]
+
+
+def _rank(item) -> int:
+    """Where ``item`` stands in ``LONGEST_ON_CPU`` (the first entry its id starts with), else after all."""
+    name = item.nodeid.rpartition("/")[2]
+    return next((i for i, prefix in enumerate(LONGEST_ON_CPU) if name.startswith(prefix)), len(LONGEST_ON_CPU))
+
+
+def pytest_configure(config):
+    # Hand the workers one test at a time, in the collection's order, rather than chunks of it.
+    if getattr(config.option, "maxschedchunk", False) is None:
+        config.option.maxschedchunk = 1
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+    if not HAS_CUDA:
+        items.sort(key=lambda item: (bool(item.get_closest_marker("cuda")), _rank(item)))  # stable: ties keep order
+        if len(items) > 3:
+            # Two workers each start with two tests: the longest and the third, the second and the fourth.
+            items[1], items[2] = items[2], items[1]
 
 
 @pytest.fixture

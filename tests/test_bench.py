@@ -16,7 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_smoke_writes_the_declared_schema(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench", "--smoke", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench", "--smoke", "--iters", "1", "--repeats", "1",
+                          "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     (path,) = tmp_path.glob("*.json")

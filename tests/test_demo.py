@@ -11,18 +11,23 @@ import urllib.request
 
 import pytest
 import torch
+from checks import run_once
 
 from torch_rmsnorm_op.tools.demo import plot_summary
 from torch_rmsnorm_op.tools.trace_summary import RunSummary
 
 
-@pytest.fixture(scope="module")
-def demo_logdir(tmp_path_factory):
-    logdir = tmp_path_factory.mktemp("runs")
+def _run_demo(logdir):
     out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "demo", "--logdir", str(logdir)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return logdir, out.stdout
+    return out.stdout
+
+
+@pytest.fixture
+def demo_logdir(tmp_path_factory):
+    """One demo run, read by every test here: its log folder and what it printed."""
+    return run_once(tmp_path_factory, "demo", _run_demo)
 
 
 def test_demo_writes_runs_summary_and_says_how_to_view(demo_logdir):

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from checks import run_once
 
 from torch_rmsnorm_op.tools import model_benchmark as mb
 
@@ -35,14 +36,20 @@ def _png_text(path) -> dict[str, str]:
     return chunks
 
 
-@pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("models")
-    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--smoke", "--out", str(out_dir)],
-                         capture_output=True, text=True, timeout=600)
+def _run_smoke(out_dir):
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--smoke", "--steps", "1", "--warmup",
+                          "1", "--out", str(out_dir)], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.fixture
+def smoke(tmp_path_factory):
+    """One ``bench-models --smoke`` run, read by every test here: its JSON's path and content, and
+    what it printed."""
+    out_dir, stdout = run_once(tmp_path_factory, "bench-models-smoke", _run_smoke)
     (path,) = out_dir.glob("*-models-smoke.json")
-    return path, json.loads(path.read_text()), out.stdout
+    return path, json.loads(path.read_text()), stdout
 
 
 def test_smoke_run_writes_the_declared_schema(smoke):
