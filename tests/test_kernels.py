@@ -79,7 +79,11 @@ def test_forward_strategies(device, strategy, layout, residual):
             y_ref, h_ref, rstd_ref = reference.add_rms_norm_forward(x, r, w, EPS, offset, norm_dtype)
             assert torch.equal(h, h_ref)  # the sum exactly as torch adds
             y_ref, rstd_ref = reference.rms_norm_forward(h_ref.double(), w.double(), EPS, offset, norm_dtype)
-        torch.testing.assert_close(y.double(), y_ref.to(y.dtype).double(), **TOL[y.dtype])
+        # A row rounded to a norm_dtype narrower than y: where the kernel's fp32 x * rstd and
+        # float64's fall on either side of a rounding boundary, they are one unit of it apart.
+        narrower = norm_dtype is not None and norm_dtype.itemsize < y.dtype.itemsize
+        tol = few_roundings(norm_dtype) if narrower else TOL[y.dtype]
+        torch.testing.assert_close(y.double(), y_ref.to(y.dtype).double(), **tol)
         torch.testing.assert_close(rstd.double(), rstd_ref, **TOL[torch.float32])
 
 
