@@ -187,8 +187,10 @@ out.sum().backward()
 want = stock(tokens)
 want.sum().backward()
 torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+# A gradient element is an fp32 sum over every token: one that cancels to near zero is off by a
+# few units of the terms it summed, not of itself, hence atol in units of the largest element.
 for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
-    torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-5, msg=name)
+    torch.testing.assert_close(b.grad, a.grad, rtol=1e-3, atol=1e-6 * a.grad.abs().max().item(), msg=name)
 print(json.dumps(dict(stats=T.dispatch_stats(), calls_an_op=any("rmsnorm" in c for c in code))))
 """
 
