@@ -207,3 +207,27 @@ def test_bf16_exact_rounds_as_a_cast_does(device):
     want = x.to(torch.bfloat16).float()
     assert torch.equal(y[:-1], want[:-1]) and torch.equal(y[:-1].view(torch.int32), want[:-1].view(torch.int32))
     assert y[-1].isnan()
+
+
+def _language_helper():
+    return tl.load
+
+
+@pytest.mark.skipif(not dispatch.interpreted(), reason="the Triton interpreter's language patching")
+def test_interpreter_patches_the_language_once_per_launch():
+    """Under the interpreter a launch patches ``triton.language`` and restores it after; a
+    ``@triton.jit`` helper called inside the launch finds it patched and patches nothing again
+    (``_triton_compat._patch_interpreter_language_once``), outside a launch it patches as before."""
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_LangPatchScope", None) is None:
+        pytest.skip("this Triton's interpreter keeps no patch scope")
+    patch_lang = interpreter._patch_lang
+    assert tl.core.is_builtin(tl.load)
+    launch_scope = patch_lang(_language_helper)  # what a launch does first
+    try:
+        assert not tl.core.is_builtin(tl.load)
+        assert patch_lang(_language_helper)._changes == []  # a helper's call inside the launch
+    finally:
+        launch_scope.restore()
+    assert tl.core.is_builtin(tl.load)

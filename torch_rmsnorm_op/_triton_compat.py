@@ -1,5 +1,5 @@
 """What the package needs of Triton beyond its public API, in one place: a cheap eager launch
-of compiled kernels, and a fix for older interpreters. Checked on Triton 3.6 and 3.9.
+of compiled kernels, and fixes for the interpreter. Checked on Triton 3.6 and 3.9.
 
 Triton's JIT dispatch (binding the arguments, its cache key, the lookup) costs about as much
 host time as the launch itself, on every call. Once the JIT has compiled a specialization,
@@ -34,6 +34,7 @@ def is_interpreted() -> bool:
     if interpreted:
         _squeeze_interpreter_loop_bounds()
         _round_interpreter_bf16()
+        _patch_interpreter_language_once()
     return interpreted
 
 
@@ -68,6 +69,33 @@ def _round_interpreter_bf16() -> None:
     builder.cast_impl = cast_impl
     builder.create_fp_trunc = cast_impl
     builder.create_fp_to_fp = create_fp_to_fp
+
+
+def _patch_interpreter_language_once() -> None:
+    """Triton 3.9's interpreter patches ``triton.language`` (a scan of every member of its
+    modules, about 1 ms) at each launch and again at every call of a ``@triton.jit`` helper
+    from inside a kernel, where the launch has already patched it: a patched builtin is no
+    longer a builtin, so the helper's pass changes nothing, and its scope is never restored.
+    Skip that pass when every language module the helper sees is already patched (a kernel's
+    launch still patches and restores as before; CPU runs only, compiled kernels untouched)."""
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    scope = getattr(interpreter, "_LangPatchScope", None)
+    if patch_lang is None or scope is None or getattr(patch_lang, "skips_patched", False):
+        return
+
+    def patched(fn):
+        langs = [value for value in fn.__globals__.values() if inspect.ismodule(value) and value in (tl, tl.core)]
+        if langs and not any(tl.core.is_builtin(getattr(lang, "load", None)) for lang in langs):
+            return scope()  # nothing to patch, nothing to restore
+        return patch_lang(fn)
+
+    patched.skips_patched = True
+    interpreter._patch_lang = patched
 
 
 def _squeeze_interpreter_loop_bounds() -> None:
