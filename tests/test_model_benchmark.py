@@ -131,6 +131,48 @@ def test_norm_byte_floor_with_gradient_terms_by_hand():
     assert mb.norm_byte_floor(phi3, 10, "train", with_grad_terms=True) == mb.norm_byte_floor(phi3, 10, "train")
 
 
+def test_ours_byte_floor_by_hand():
+    """The same Llama (a site is 1280 bytes): the library's kernels serve its 4 sites after a residual
+    add. Forward 4 x 4 x 1280 = 20480; backward as many without the terms; with them layer 1's
+    input norm 3 + 3 = 6, the post-attention norms 2 + 3 = 5 each, the final norm 1 + 3 = 4:
+    20 x 1280 = 25600."""
+    llama = mb.ModelSpec("llama", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.ours_byte_floor(llama, 10, "infer") == (20480, 4)
+    assert mb.ours_byte_floor(llama, 10, "train") == (40960, 4)
+    assert mb.ours_byte_floor(llama, 10, "train", with_grad_terms=True) == (20480 + 25600, 4)
+    with pytest.raises(ValueError, match="pass must be one of"):
+        mb.ours_byte_floor(llama, 10, "backward")
+
+
+def test_ours_floor_counts_the_library_kernels_where_they_serve_every_residual_site():
+    """``ours_pct_of_copy``: the library's kernels alone against their sites' floor, at a copy
+    ceiling of 1 GB/s (40960 bytes in 40.96 µs is 100%); no figure where the forward launches a
+    step are not the residual sites, and none without GPU time."""
+    llama = mb.ModelSpec("llama", hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+
+    def row(forwards: int, gpu_ms=1.0) -> dict:
+        return {"gpu_ms": gpu_ms, "norm_kernels": {
+            "_rms_norm_fwd_rows": {"us": 20480.0, "calls": forwards, "source": "ours"},
+            "_rms_norm_bwd_rows": {"us": 16384.0, "calls": 4, "source": "ours"},
+            "_rms_norm_dw_reduce": {"us": 4096.0, "calls": 8, "source": "ours"},
+            "triton_red_fused_add_embedding_mean_mul_pow_rsqrt_0": {"us": 999.0, "calls": 1, "source": "inductor"}}}
+
+    train = row(4)
+    mb._add_ours_floor(train, llama, 10, "train", copy_gbs=1e-3)
+    assert train["ours_us"] == 40960.0 and train["ours_floor_bytes"] == 40960
+    assert (train["ours_pct_of_copy"], train["ours_pct_of_copy_with_grad_terms"]) == (100.0, 112.5)
+    infer = row(4)
+    del infer["norm_kernels"]["_rms_norm_bwd_rows"], infer["norm_kernels"]["_rms_norm_dw_reduce"]
+    mb._add_ours_floor(infer, llama, 10, "infer", copy_gbs=1e-3)
+    assert infer["ours_pct_of_copy"] == 100.0 and "ours_pct_of_copy_with_grad_terms" not in infer
+    fewer = row(3)
+    mb._add_ours_floor(fewer, llama, 10, "train", copy_gbs=1e-3)
+    assert "ours_pct_of_copy" not in fewer and "3 forward launches a step, 4 residual sites" in fewer["ours_floor_note"]
+    cpu = row(4, gpu_ms=None)
+    mb._add_ours_floor(cpu, llama, 10, "train", copy_gbs=1e-3)
+    assert not any(key.startswith("ours") for key in cpu)
+
+
 def test_norm_sites_say_what_each_norm_reads_and_feeds():
     """By hand, per site (name, rows, residual add before it, gradient terms): GLM 4's sandwich
     norms (the MLP input norm after the residual add, feeding one fused gate-up projection) and
@@ -386,6 +428,9 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
         row["step_ms_rounds"] = [4.0] if row["impl"] == "stock" else [1.0]
         # No library kernels to count at stock's time (on a GPU the smoke run records real ones).
         row["kernels"], row["top_kernels"] = {}, {}
+        if row["impl"] == "patched":  # as a GPU run records them: 4 residual sites at 1x8 tokens
+            row["gpu_ms"] = 1.0
+            row["norm_kernels"] = {"_rms_norm_fwd_rows": {"us": 2.0, "calls": 4, "source": "ours"}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(result))
     out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench-models", "--rederive", str(path)],
@@ -397,6 +442,8 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
     assert {r["impl"]: r.get("step_ratio_paired") for r in rows if r["pass"] == "train"} == {
         "stock": None, **{i: 0.25 for i in {r["impl"] for r in rows} - {"stock"}}}
     assert "library kernels at stock's" in path.with_suffix(".md").read_text()
+    patched = [r for r in rows if r["impl"] == "patched"]
+    assert patched and all(r["ours_us"] == 2.0 and r["ours_floor_bytes"] > 0 for r in patched)
 
 
 def test_rederive_rejects_what_is_not_a_results_file(tmp_path, capsys):

@@ -96,6 +96,13 @@ What each number is:
   the backward's dy read as the gradients it sums (three at an input norm, two
   at a post-attention norm; ``NormSite.grad_terms``), for kernels that sum them
   (stock Inductor's and ours with ``fusion.fuse_gradient_sums``).
+- ``ours_us``, ``ours_floor_bytes``, ``ours_pct_of_copy`` (and
+  ``..._with_grad_terms`` in train rows): the same for the library's kernels
+  alone (``source`` ``"ours"``) against the floor of the residual sites they
+  serve (``ours_byte_floor``), where their forward launches a step are as many
+  as those sites (a patched Llama, Qwen2/3, Mistral: the other norms are left
+  to Inductor, whose kernels do other work with them: the embedding and its
+  gradient, RoPE); else ``ours_floor_note`` says why there is no figure.
 - Correctness against the reference: ``reference`` is ``stock`` (the stock
   compiled model in the same mode) for the other impls, ``eager`` (the
   uncompiled stock model) for stock itself. Train rows: ``loss``,
@@ -375,6 +382,19 @@ def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 
         per_element = (4 if fused else 2) + ((3 if fused else 2) + dy if pass_ == "train" else 0)
         total += site.count * per_element * site.rows * site.cols * elem_bytes
     return total
+
+
+def ours_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2,
+                    with_grad_terms: bool = False) -> tuple[int, int]:
+    """``(bytes, sites)``: ``norm_byte_floor`` over the sites a residual add feeds alone (the
+    ones ``rmsnorm::add_fwd`` / ``add_bwd`` serve in a patched decoder), and how many they are."""
+    if pass_ not in PASSES:
+        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+    sites = [s for s in norm_sites(spec, tokens) if s.residual]
+    per_element = {s.name: 4 + ((3 + (s.grad_terms if with_grad_terms else 1)) if pass_ == "train" else 0)
+                   for s in sites}
+    return (sum(s.count * per_element[s.name] * s.rows * s.cols * elem_bytes for s in sites),
+            sum(s.count for s in sites))
 
 
 def norm_kernel_source(name: str) -> str | None:
@@ -1051,6 +1071,25 @@ def _add_floor(row: dict, spec: ModelSpec, tokens: int, pass_: str, copy_gbs: fl
         row["norm_floor_bytes" + suffix] = floor
         if norm_us and row.get("gpu_ms") is not None:
             row["norm_pct_of_copy" + suffix] = round(100 * floor / (norm_us * 1e-6) / 1e9 / copy_gbs, 1)
+    _add_ours_floor(row, spec, tokens, pass_, copy_gbs)
+
+
+def _add_ours_floor(row: dict, spec: ModelSpec, tokens: int, pass_: str, copy_gbs: float) -> None:
+    ours = {name: k for name, k in row["norm_kernels"].items() if k.get("source") == "ours"}
+    if not ours or row.get("gpu_ms") is None:
+        return
+    row["ours_us"] = round(sum(k["us"] for k in ours.values()), 2)
+    forwards = sum(k["calls"] for name, k in ours.items() if name.startswith("_rms_norm_fwd"))
+    _, sites = ours_byte_floor(spec, tokens, pass_)
+    if forwards != sites:
+        row["ours_floor_note"] = f"{forwards:g} forward launches a step, {sites} residual sites: no floor"
+        return
+    for suffix, with_terms in (("", False), ("_with_grad_terms", True)):
+        if suffix and pass_ != "train":
+            continue
+        floor, _ = ours_byte_floor(spec, tokens, pass_, 2, with_terms)
+        row["ours_floor_bytes" + suffix] = floor
+        row["ours_pct_of_copy" + suffix] = round(100 * floor / (row["ours_us"] * 1e-6) / 1e9 / copy_gbs, 1)
 
 
 def _summary(row: dict) -> str:
@@ -1232,8 +1271,9 @@ def plot(result: dict, path: str) -> bool:
 def rederive(path: str) -> str:
     """Recompute ``gpu_ratio_library_at_stock``, and ``step_ratio_paired`` where the rows hold
     their rounds, for the rows of the results file ``path`` (each against the stock row of its
-    configuration from the same run), and write its .json, .md and .png again; returns the stem.
-    For files written before the fields existed."""
+    configuration from the same run), and the library kernels' floor (``ours_*``) from each
+    row's ``norm_kernels``; write its .json, .md and .png again; returns the stem. For files
+    written before the fields existed."""
     if not path.endswith(".json") or not os.path.isfile(path):
         raise ValueError(f"--rederive: {path!r} is not a results file (<date>-<gpu>-models.json)")
     with open(path) as f:
@@ -1248,6 +1288,11 @@ def rederive(path: str) -> str:
             paired = paired_step_ratio(row, stock)
             if paired is not None:
                 row["step_ratio_paired"] = paired
+        if "norm_kernels" in row and result.get("copy_GBs"):
+            spec = ModelSpec(row["model"], row["hidden"], row["layers"], row["intermediate"], row["heads"],
+                             row["kv_heads"], row["head_dim"], row["vocab"])
+            batch, seq = (int(v) for v in row["tokens"].split("x"))
+            _add_ours_floor(row, spec, batch * seq, row["pass"], result["copy_GBs"])
     return write_results(result, path.removesuffix(".json"))
 
 
