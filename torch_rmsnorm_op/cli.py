@@ -276,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--fresh", action="store_true",
                         help="replace the results file of this date and GPU instead of merging into it")
     models.add_argument("--rederive", metavar="FILE",
-                        help="recompute the derived GPU-time ratio of a results file's rows (library kernels at "
-                             "stock's time) and write its .json, .md and .png again; runs nothing")
+                        help="recompute the derived fields of a results file's rows (the GPU-time ratio with "
+                             "library kernels at stock's time, the paired step ratio, the library's own norm "
+                             "kernels against their floor) and write its .json, .md and .png again; runs nothing")
     models.add_argument("--smoke", action="store_true",
                         help="tiny model (hidden 64, 2 layers, tokens 1x8, aot_eager; llama unless --models): the "
                              "machinery in seconds, on CPU too (timings not GPU timings)")
