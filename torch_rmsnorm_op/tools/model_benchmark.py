@@ -364,7 +364,7 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
 
 
 def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2, with_adds: bool = True,
-                    with_grad_terms: bool = False) -> int:
+                    with_grad_terms: bool = False, residual_only: bool = False) -> int:
     """Least bytes all RMSNorm sites of one step move (``pass_``: ``"infer"`` forward, ``"train"``
     forward and backward). Per site of M x N elements of ``elem_bytes``: forward 2 (read x, write
     y), or 4 with the residual (read x and the residual, write y and the sum); backward 3 (read
@@ -372,11 +372,14 @@ def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 
     gradient, write dx). ``with_adds=False`` counts every site as plain. ``with_grad_terms``
     counts dy as the gradients it sums (``NormSite.grad_terms``), each read: the backward's
     floor where the sum of the projections' gradients is part of the norm's work (stock
-    Inductor fuses it into its norm backward, ``fusion.fuse_gradient_sums`` into ours)."""
+    Inductor fuses it into its norm backward, ``fusion.fuse_gradient_sums`` into ours).
+    ``residual_only`` counts only the sites a residual add feeds."""
     if pass_ not in PASSES:
         raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
     total = 0
     for site in norm_sites(spec, tokens):
+        if residual_only and not site.residual:
+            continue
         fused = with_adds and site.residual
         dy = site.grad_terms if with_grad_terms else 1
         per_element = (4 if fused else 2) + ((3 if fused else 2) + dy if pass_ == "train" else 0)
@@ -388,13 +391,8 @@ def ours_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 
                     with_grad_terms: bool = False) -> tuple[int, int]:
     """``(bytes, sites)``: ``norm_byte_floor`` over the sites a residual add feeds alone (the
     ones ``rmsnorm::add_fwd`` / ``add_bwd`` serve in a patched decoder), and how many they are."""
-    if pass_ not in PASSES:
-        raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
-    sites = [s for s in norm_sites(spec, tokens) if s.residual]
-    per_element = {s.name: 4 + ((3 + (s.grad_terms if with_grad_terms else 1)) if pass_ == "train" else 0)
-                   for s in sites}
-    return (sum(s.count * per_element[s.name] * s.rows * s.cols * elem_bytes for s in sites),
-            sum(s.count for s in sites))
+    floor = norm_byte_floor(spec, tokens, pass_, elem_bytes, with_grad_terms=with_grad_terms, residual_only=True)
+    return floor, sum(s.count for s in norm_sites(spec, tokens) if s.residual)
 
 
 def norm_kernel_source(name: str) -> str | None:
