@@ -86,18 +86,40 @@ def test_workers_started_before_patching_are_named_in_a_warning(clean, monkeypat
     assert not caplog.records
 
 
+def test_tracing_an_op_turns_static_launch_on(clean):
+    """A graph that calls the ops without patching (``rms_norm``, ``RMSNorm``): their fake
+    implementations, which run while Dynamo captures it, set what patching sets; with the
+    setting off, nothing."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 8)
+        torch.ops.rmsnorm.fwd(x, None, 1e-6)
+    assert os.environ[static_launch.INDUCTOR_ENV_VAR] == "1"
+    assert inductor_config.static_launch_user_defined_triton_kernels
+    static_launch.set_static_launch(False)
+    with FakeTensorMode():
+        torch.ops.rmsnorm.add_fwd(torch.empty(4, 8), torch.empty(4, 8), None, 1e-6)
+    assert static_launch.INDUCTOR_ENV_VAR not in os.environ
+    assert not inductor_config.static_launch_user_defined_triton_kernels
+
+
 _LAUNCHERS = textwrap.dedent("""
     import collections
     import json
+    import sys
     import torch
     from torch import nn
     from torch._inductor.codecache import PyCodeCache
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
     import torch_rmsnorm_op
 
-    model = nn.Sequential(nn.Linear(256, 256), nn.RMSNorm(256), nn.Linear(256, 256), nn.RMSNorm(256))
+    norm = torch_rmsnorm_op.RMSNorm if sys.argv[1] == "module" else nn.RMSNorm
+    model = nn.Sequential(nn.Linear(256, 256), norm(256), nn.Linear(256, 256), norm(256))
     model = model.to("cuda", torch.bfloat16)
-    torch_rmsnorm_op.patch_rmsnorm(model)
+    if sys.argv[1] == "patched":
+        torch_rmsnorm_op.patch_rmsnorm(model)
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with torch_rmsnorm_op.fallback_policy("error"):
         torch.compile(model, fullgraph=True)(x).sum().backward()
@@ -112,12 +134,15 @@ _LAUNCHERS = textwrap.dedent("""
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("setting", ["1", "0"])
-def test_compiled_patched_model_launches_our_kernels_statically(setting):
-    """In a fresh process (patched before the first compile, as users do), the generated code's
-    launchers of our kernels are Inductor's static ones, or Triton's with the setting off."""
+@pytest.mark.parametrize("model", ["patched", "module"])
+def test_compiled_patched_model_launches_our_kernels_statically(setting, model):
+    """In a fresh process, a model patched before the first compile, as users do, or built with
+    ``torch_rmsnorm_op.RMSNorm`` and never patched: the generated code's launchers of our
+    kernels are Inductor's static ones, or Triton's with the setting off."""
     env = {**os.environ, static_launch.ENV_VAR: setting, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
     env.pop(static_launch.INDUCTOR_ENV_VAR, None)
-    out = subprocess.run([sys.executable, "-c", _LAUNCHERS], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", _LAUNCHERS, model], capture_output=True, text=True, env=env,
+                         timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     kinds = json.loads(out.stdout.strip().splitlines()[-1])
     want = "StaticTritonCompileResult" if setting == "1" else "TritonCompileResult"

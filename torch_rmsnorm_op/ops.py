@@ -237,6 +237,18 @@ def _norm_add_fwd(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: f
     return forward_norm_add(x, residual, x_weight, x_eps, weight, eps, weight_offset, norm_dtype, traced=traced)
 
 
+def _before_compiling(op: str) -> None:
+    """What a graph that calls ``op`` needs before it is compiled, done from the fake
+    implementations, which run while Dynamo captures the graph (before Inductor starts its
+    compile workers, before AOTAutograd keys its cache): the kernels in the cache's key
+    (``launch.register_kernels_for_cache_key``), and Inductor's static launch of them
+    (``static_launch.install``, as patching sets it), for graphs that call the ops directly."""
+    from torch_rmsnorm_op import static_launch
+
+    _launch().register_kernels_for_cache_key(op)
+    static_launch.install()
+
+
 _IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd, "norm_add_fwd": _norm_add_fwd}
 for _name, _impl in _IMPLS.items():
     _LIB.impl(_name, _impl, "CompositeExplicitAutograd")
@@ -246,7 +258,7 @@ for _name, _impl in _IMPLS.items():
 def _(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
       norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     check_forward_args(x, weight, norm_dtype, out_dtype)
-    _launch().register_kernels_for_cache_key("rmsnorm::fwd")  # before AOTAutograd keys its cache
+    _before_compiling("rmsnorm::fwd")
     return (x.new_empty(x.shape, dtype=out_dtype or x.dtype),
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(x.dtype)))
 
@@ -255,7 +267,7 @@ def _(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.
 def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
       weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, x, weight, rstd)
-    _launch().register_kernels_for_cache_key("rmsnorm::bwd")  # before AOTAutograd keys its cache
+    _before_compiling("rmsnorm::bwd")
     return x.new_empty(x.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
@@ -263,7 +275,7 @@ def _(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, *,
 def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_offset: float = 0.0,
       norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor]:
     check_add_args(x, residual, weight, norm_dtype, out_dtype)
-    _launch().register_kernels_for_cache_key("rmsnorm::add_fwd")  # before AOTAutograd keys its cache
+    _before_compiling("rmsnorm::add_fwd")
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (x.new_empty(x.shape, dtype=out_dtype or sum_dtype), x.new_empty(x.shape, dtype=sum_dtype),
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype)))
@@ -273,7 +285,7 @@ def _(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, *, weight_
 def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Tensor | None, rstd: Tensor, *,
       weight_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     check_backward_args(dy, residual_out, weight, rstd, dresidual_out, op="rmsnorm.add_bwd")
-    _launch().register_kernels_for_cache_key("rmsnorm::add_bwd")  # before AOTAutograd keys its cache
+    _before_compiling("rmsnorm::add_bwd")
     return residual_out.new_empty(residual_out.shape), None if weight is None else weight.new_empty(weight.shape)
 
 
@@ -281,7 +293,7 @@ def _(dy: Tensor, dresidual_out: Tensor | None, residual_out: Tensor, weight: Te
 def _(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight: Tensor | None, eps: float, *,
       weight_offset: float = 0.0, norm_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     check_norm_add_args(x, residual, x_weight, weight, norm_dtype)
-    _launch().register_kernels_for_cache_key("rmsnorm::norm_add_fwd")  # before AOTAutograd keys its cache
+    _before_compiling("rmsnorm::norm_add_fwd")
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
     return (x.new_empty(x.shape, dtype=sum_dtype), x.new_empty(x.shape, dtype=sum_dtype),
             x.new_empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype)),

@@ -11,15 +11,17 @@ back part (Llama, hidden 2048) or all (Qwen3; Llama inference at hidden 4096) of
 
 Inductor takes the launcher when it compiles a kernel, mostly in its compile worker processes,
 which read the option from ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS`` when they
-start, not from the parent's config. So ``install()`` (called by ``patch_rmsnorm``) sets both
-the option in this process and that environment variable, for workers started afterwards;
-Inductor starts them at the first compile with Inductor in the process. Workers started before
-keep Triton's launcher for user-defined kernels (a warning on the ``torch_rmsnorm_op`` logger
-says so). The option acts on every user-defined Triton kernel that graphs compiled afterwards
+start, not from the parent's config. So ``install()`` sets both the option in this process and
+that environment variable, for workers started afterwards; Inductor starts them at the first
+compile with Inductor in the process. ``patch_rmsnorm`` calls it, and so do the ops' fake
+implementations, which run while Dynamo captures a graph that calls them (``rms_norm``,
+``RMSNorm`` or the ops themselves, unpatched), before Inductor's backend starts. Workers started
+before keep Triton's launcher for user-defined kernels (a warning on the ``torch_rmsnorm_op``
+logger says so). The option acts on every user-defined Triton kernel that graphs compiled afterwards
 launch; Inductor keeps Triton's launcher for a kernel its static launcher cannot launch.
 
 On by default. Turn it off with ``set_static_launch(False)`` or
-``TORCH_RMSNORM_OP_STATIC_LAUNCH=0`` (before ``patch_rmsnorm``); where
+``TORCH_RMSNORM_OP_STATIC_LAUNCH=0`` (before ``patch_rmsnorm`` or the first compile); where
 ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS`` is set already, its value stands
 and nothing here changes it.
 """
