@@ -76,9 +76,9 @@ def install() -> None:
         _set_here = True
         if _torch_compat.compile_workers_running():
             log.warning("Inductor's compile workers started before the static launch of user-defined Triton "
-                        "kernels was set: graphs they compile launch our kernels through Triton's launcher. "
-                        "Patch before the first torch.compile, or set %s=1 before starting Python.",
-                        INDUCTOR_ENV_VAR)
+                        "kernels was set: kernels they compile keep Triton's launcher. Patch, or compile a "
+                        "graph that calls the ops, before the first torch.compile of the process, or set %s=1 "
+                        "before starting Python.", INDUCTOR_ENV_VAR)
 
 
 def _undo() -> None:
