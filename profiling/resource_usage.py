@@ -1,10 +1,12 @@
 """Registers and stack (spills) of the kernels' configurations, compiled for the H200 (sm_90a)
-on a machine without a GPU: Triton's compiler and its bundled ``cuobjdump``.
+on a machine without a GPU: Triton's compiler and its bundled ``cuobjdump``; and the fp64
+instructions in their PTX.
 
 A spilling configuration is slow on the device, so this answers "does it fit?" before any
 device time is spent. For each job (``pass:dtype:N``, pass ``fwd``, ``add_fwd``, ``bwd`` or
-``add_bwd`` as in ``tune.py``) it compiles the kernel the table's configuration selects (rows,
-looped or split forward; rows or split backward), specialized as Triton's launcher would
+``add_bwd`` as in ``tune.py``, or ``norm_add_fwd``) it compiles the kernel the table's
+configuration selects (rows, looped or split forward; rows or split backward; the norm-add
+pair's kernel at the configuration of x's norm), specialized as Triton's launcher would
 specialize it for the benchmark's contiguous x of 256 MiB (``--m`` for another row count):
 16-byte aligned pointers, integer arguments by value (1 a constant, multiples of 16 marked so),
 the launcher's constexprs (masks dropped where the tiles cover x exactly, the looped forward's
@@ -13,8 +15,15 @@ them). With ``--near`` it also compiles the candidates ``tune.py`` times around 
 configuration (``fwd_candidates`` / ``bwd_candidates``). Compiles run in ``--workers``
 processes. Do not set TRITON_INTERPRET.
 
+Float arguments (eps) are fp32, as Triton's launcher types a Python float; ``--float-args fp64``
+types them as Inductor's generated code does where it launches the kernels in a compiled graph
+(``torch._inductor.codegen.triton_utils.signature_of``). Each line counts the PTX's fp64
+instructions besides reading such an argument and converting it to fp32: ``0 fp64`` means the
+kernel's arithmetic is fp32 whichever way it is launched.
+
 Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--m M] [--near]
-[--merge] [--workers W]``; prints one line per configuration, ``table`` marking the table's.
+[--merge] [--float-args fp32|fp64] [--workers W]``; prints one line per configuration, ``table``
+marking the table's.
 """
 
 from __future__ import annotations
@@ -47,12 +56,17 @@ SMS = 132  # the H200's multiprocessors: they size the grid's row groups (config
 COMPILE_OPTIONS = dict(enable_fp_fusion=True)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 # Pointer parameters of the kernels that are not of x's dtype (weight and sums have x's dtype here).
-POINTER_TYPES = {"RSTD": "*fp32", "SLOTS": "*i64", "DW_PARTIAL": "*fp32", "DW_FLAGS": "*i32"}
-PASSES = ("fwd", "add_fwd", "bwd", "add_bwd")
+POINTER_TYPES = {"RSTD": "*fp32", "X_RSTD": "*fp32", "SLOTS": "*i64", "DW_PARTIAL": "*fp32", "DW_FLAGS": "*i32"}
+PASSES = ("fwd", "add_fwd", "bwd", "add_bwd", "norm_add_fwd")
+FLOAT_ARGS = ("eps", "x_eps")
+# PTX instructions on fp64 values, but for reading a float argument and converting it to fp32.
+FP64_OP = re.compile(r"^\s*(?!ld\.param)(?!cvt\.\w+\.f32\.f64)[a-z][\w.]*\.f64\b", re.MULTILINE)
 
 
-def kernel_for(cfg: KernelConfig, backward: bool):
-    """The kernel ``launch.forward`` / ``launch.backward`` runs for ``cfg``."""
+def kernel_for(cfg: KernelConfig, backward: bool, norm_add: bool = False):
+    """The kernel ``launch.forward`` / ``launch.backward`` (``launch.forward_norm_add``) runs for ``cfg``."""
+    if norm_add:
+        return kernels._rms_norm_fwd_norm_add_rows
     if backward:
         return kernels._rms_norm_bwd_split if cfg.split > 1 else kernels._rms_norm_bwd_rows
     if cfg.split > 1:
@@ -74,6 +88,9 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
     merged where the launcher would merge them (``launch.merged_partials``)."""
     backward, residual = pass_name.endswith("bwd"), pass_name.startswith("add")
     common = dict(BLOCK_N=cfg.block_n, HAS_WEIGHT=True, LEAD_DIMS=1, WEIGHT_OFFSET=0.0)
+    if pass_name == "norm_add_fwd":
+        return common | dict(ROWS=cfg.rows, HAS_X_WEIGHT=True, UNMASKED=cfg.mask_free and launch.exact_tiles(cfg, m, n),
+                             STORE_RSTD=True, ROUND=0)
     if backward:
         if merge is None:
             merge = launch.merged_partials(row_groups(m, cfg)[0], m, n, dtype)
@@ -100,10 +117,11 @@ def int_args(cfg: KernelConfig, m: int, n: int, residual: bool) -> dict[str, int
                 dres_stride=n if residual else 0)
 
 
-def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict) -> tuple[dict, dict, dict]:
+def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict,
+                   float_args: str = "fp32") -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) for ``ASTSource``, as Triton's JIT specializes the launch:
-    pointers by dtype, 16-byte aligned; eps fp32; an int of value 1 a constant, else i32 (i64
-    past int32), divisible by 16 where its value is."""
+    pointers by dtype, 16-byte aligned; eps ``float_args``; an int of value 1 a constant, else
+    i32 (i64 past int32), divisible by 16 where its value is."""
     params = {p.name: p for p in fn.params}
     declared = {name for name, p in params.items() if p.is_constexpr}
     if declared != set(consts):
@@ -112,8 +130,8 @@ def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict) -
     for name in fn.arg_names:
         if name in declared:
             sig[name] = "constexpr"
-        elif name == "eps":
-            sig[name] = "fp32"
+        elif name in FLOAT_ARGS:
+            sig[name] = float_args
         elif name not in ints:  # a pointer
             sig[name] = POINTER_TYPES.get(name, "*" + TRITON_TYPES[dtype])
             divisible.append(name)
@@ -128,13 +146,15 @@ def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict) -
 
 
 def resource_usage(pass_name: str, dtype: torch.dtype, cfg: KernelConfig, m: int, n: int,
-                   merge: bool | None = None) -> tuple[int, int]:
-    """(registers per thread, stack bytes per thread: where spills go) of one configuration,
-    read from the compiled cubin by Triton's bundled ``cuobjdump``."""
+                   merge: bool | None = None, float_args: str = "fp32") -> tuple[int, int, int]:
+    """(registers per thread, stack bytes per thread: where spills go, fp64 instructions) of one
+    configuration, the first two read from the compiled cubin by Triton's bundled ``cuobjdump``,
+    the last counted in its PTX (``FP64_OP``)."""
     backward = pass_name.endswith("bwd")
-    fn = kernel_for(cfg, backward)
+    fn = kernel_for(cfg, backward, pass_name == "norm_add_fwd")
     consts = constexprs(cfg, pass_name, m, n, dtype, merge)
-    sig, consts, attrs = specialization(fn, dtype, int_args(cfg, m, n, pass_name.startswith("add")), consts)
+    ints = int_args(cfg, m, n, pass_name.startswith("add"))
+    sig, consts, attrs = specialization(fn, dtype, ints, consts, float_args)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
                               options={"num_warps": cfg.num_warps, **COMPILE_OPTIONS})
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -143,16 +163,16 @@ def resource_usage(pass_name: str, dtype: torch.dtype, cfg: KernelConfig, m: int
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
-    return int(usage.group(1)), int(usage.group(2))
+    return int(usage.group(1)), int(usage.group(2)), len(FP64_OP.findall(compiled.asm["ptx"]))
 
 
 def _line(task: tuple) -> str:
-    job, pass_name, dtype, cfg, table, m, n, merge = task
-    regs, stack = resource_usage(pass_name, dtype, cfg, m, n, merge)
-    return f"{job} {'table' if table else '     '} {regs:3d} registers, {stack:5d} B stack: {cfg}"
+    job, pass_name, dtype, cfg, table, m, n, merge, float_args = task
+    regs, stack, fp64 = resource_usage(pass_name, dtype, cfg, m, n, merge, float_args)
+    return f"{job} {'table' if table else '     '} {regs:3d} registers, {stack:5d} B stack, {fp64:3d} fp64: {cfg}"
 
 
-def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tuple]:
+def tasks(jobs: str, m: int | None, near: bool, merge: bool | None, float_args: str = "fp32") -> list[tuple]:
     out = []
     for job in jobs.split(","):
         pass_name, dtype_name, n = job.split(":")
@@ -161,7 +181,14 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tupl
         dtype, n = getattr(torch, dtype_name), int(n)
         backward = pass_name.endswith("bwd")
         rows = m or BANDWIDTH_BYTES // (n * dtype.itemsize)
-        table = backward_config(n, dtype, rows) if backward else forward_config(n, dtype, pass_name == "add_fwd", rows)
+        if backward:
+            table = backward_config(n, dtype, rows)
+        else:  # the norm-add pair's kernel runs at x's norm's configuration
+            table = forward_config(n, dtype, pass_name == "add_fwd", rows)
+            if pass_name == "norm_add_fwd":
+                if table.split > 1:
+                    raise SystemExit(f"{job}: the norm-add kernel serves no split-mode configuration")
+                table, near = launch._norm_add_config(table), False
         cfgs = [table]
         if near:
             try:
@@ -169,24 +196,26 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None) -> list[tupl
             except ValueError as e:  # a candidate the configuration class refuses
                 print(f"{job}: no candidates from tune.py: {e}", file=sys.stderr)
         for cfg in dict.fromkeys(cfgs):
-            out.append((job, pass_name, dtype, cfg, cfg == table, rows, n, merge))
+            out.append((job, pass_name, dtype, cfg, cfg == table, rows, n, merge, float_args))
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", default="fwd:bfloat16:32768,bwd:bfloat16:4096,bwd:bfloat16:16384,bwd:float32:16384",
-                   help="comma-separated pass:dtype:N (pass fwd, add_fwd, bwd, add_bwd)")
+                   help="comma-separated pass:dtype:N (pass fwd, add_fwd, bwd, add_bwd, norm_add_fwd)")
     p.add_argument("--m", type=int, help="rows of x (default: the benchmark's, x of 256 MiB)")
     p.add_argument("--near", action="store_true", help="also the candidates tune.py times around the table's")
     p.add_argument("--merge", action="store_true",
                    help="backward with its dweight partials merged in pairs (default: where the launcher merges)")
+    p.add_argument("--float-args", choices=("fp32", "fp64"), default="fp32",
+                   help="the type of eps: fp32 as Triton's launcher passes it, fp64 as Inductor's generated code does")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
     args = p.parse_args()
     if not isinstance(kernels._rms_norm_fwd_rows, triton.runtime.JITFunction):
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels for sm_90a")
     print(f"Triton {triton.__version__}, sm_90a")
-    todo = tasks(args.jobs, args.m, args.near, True if args.merge else None)
+    todo = tasks(args.jobs, args.m, args.near, True if args.merge else None, args.float_args)
     if args.workers > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(min(args.workers, len(todo)), mp_context=ctx) as pool:

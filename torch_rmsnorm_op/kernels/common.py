@@ -7,7 +7,10 @@ import triton.language as tl
 
 @triton.jit
 def _rstd(sum_sq, n, eps):
-    return tl.rsqrt(sum_sq / n + eps)
+    """``1 / sqrt(sum_sq / n + eps)`` in fp32. Triton's launcher passes a Python float as fp32,
+    but Inductor's generated code passes it as fp64; uncast, eps would carry the row's whole
+    normalization into fp64 (rsqrt, the products, their conversions) in compiled graphs only."""
+    return tl.rsqrt(sum_sq / n + tl.cast(eps, tl.float32))
 
 
 @triton.jit
