@@ -257,6 +257,96 @@ def test_inductor_launches_the_fused_kernels_and_matches_eager():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("op", ["norm", "add_norm", "norm_add"])
+@pytest.mark.parametrize("n, dtype, norm_dtype", [
+    (2048, torch.bfloat16, None),  # rows kernel
+    (2048, torch.bfloat16, torch.bfloat16),  # rows, rounded before the weight (Llama's order)
+    (1000, torch.float32, None),  # rows, masked
+    (8192, torch.bfloat16, None),  # looped
+    (262144, torch.bfloat16, None),  # split: one opaque call
+])
+def test_compiled_graphs_give_the_eager_kernels_bits(op, n, dtype, norm_dtype):
+    """A compiled graph launches the eager call's kernels with the same arguments, so its
+    outputs have their bits, at every forward strategy. (Inductor's generated code passes eps as
+    fp64, Triton's launcher as fp32: ``kernels.common._rstd`` computes in fp32 either way.) Rows
+    the kernels serve in split mode stay one call of the op, which launches them as eager
+    calls do."""
+    torch._dynamo.reset()
+    m = 4 if n == 262144 else 512
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(m, n, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    w, xw = (torch.rand(n, device="cuda", dtype=dtype, generator=gen) + 0.5 for _ in range(2))
+    eps = 1e-5
+    kw = dict(norm_dtype=norm_dtype)
+    fns = {
+        "norm": lambda x, r: T.rms_norm(x, (n,), w, eps, **kw),
+        "add_norm": lambda x, r: T.add_rms_norm(x, r, (n,), w, eps, **kw),
+        "norm_add": lambda x, r: torch.ops.rmsnorm.norm_add_fwd(x, r, xw, eps, w, eps, **kw),
+    }
+    fn = fns[op]
+    with torch.no_grad():
+        eager = fn(x, r)
+        compiled, (code,) = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), x, r)
+    if n == 262144:
+        FileCheck().check("torch.ops.rmsnorm.").check_not("_rms_norm_fwd_split").run(code)
+    else:
+        FileCheck().check("_rms_norm_fwd_").check_not("torch.ops.rmsnorm").run(code)
+    for a, b in zip(torch.utils._pytree.tree_leaves(compiled), torch.utils._pytree.tree_leaves(eager)):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+def test_ops_on_split_mode_rows_stay_one_call_in_compiled_cuda_graphs(monkeypatch):
+    """Decided while tracing, from x's N and dtype: a CUDA graph holds the kernels' launches, but
+    keeps the op whole where the kernels serve the rows in split mode, and decomposes into the
+    reference's operations where they do not serve them at all."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torch_rmsnorm_op import ops
+
+    monkeypatch.setattr(dispatch, "sm_count", lambda device: 132)  # the H200's
+    dispatch.split_mode_reason.cache_clear()
+    try:
+        with FakeTensorMode():
+            def decomposes(n, dtype=torch.bfloat16):
+                return ops._decomposes(torch.empty(4, n, device="cuda", dtype=dtype))
+
+            assert decomposes(2048) and decomposes(16384) and decomposes(16384, torch.float32)
+            assert not decomposes(32768) and not decomposes(65536, torch.float32) and not decomposes(262144)
+            assert decomposes(262144, torch.float64)  # the reference serves it
+    finally:
+        dispatch.split_mode_reason.cache_clear()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n, dtype", [(32768, torch.bfloat16), (65536, torch.float32)])
+def test_split_mode_rows_train_in_a_compiled_graph_as_eager(n, dtype):
+    """Rows the kernels serve in split mode (the backward from N = 32,768, the forward from
+    65,536) compile: the graphs call the ops, no split kernel of theirs is in the generated
+    code, and the step gives eager's outputs and gradients bit for bit."""
+    torch._dynamo.reset()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(3, n, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    w = torch.rand(n, device="cuda", dtype=dtype, generator=gen) + 0.5
+    dy = torch.randn(3, n, device="cuda", dtype=dtype, generator=gen)
+
+    def step(x, r, w):
+        y, h = T.add_rms_norm(x, r, (n,), w, 1e-6)
+        return T.rms_norm(y * h, (n,), w, 1e-6)
+
+    def grads(f):
+        xs = [t.clone().requires_grad_(True) for t in (x, r, w)]
+        y = f(*xs)
+        y.backward(dy)
+        return [y, *(t.grad for t in xs)]
+
+    compiled, codes = run_and_get_code(grads, torch.compile(step, fullgraph=True, dynamic=False))
+    for code in codes:
+        FileCheck().check("torch.ops.rmsnorm.").check_not("_rms_norm_fwd_split").check_not("_rms_norm_bwd_split").run(code)
+    for a, b in zip(compiled, grads(step)):
+        assert torch.equal(a, b), (a - b).abs().max()
+
+
+@pytest.mark.cuda
 def test_no_recompiles_across_batch_sizes_on_the_kernel_path():
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("inductor")

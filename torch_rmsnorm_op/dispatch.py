@@ -100,6 +100,19 @@ def _reason(x: Tensor, dtypes: tuple[torch.dtype | None, ...]) -> str | None:
     return None
 
 
+def split_mode_serves(x: Tensor) -> bool:
+    """Whether the kernels serve rows of x's N and dtype on x's device in split mode, forward or
+    backward. A compiled graph keeps such an op as one opaque call (``ops._decomposes``): split
+    mode's exchange between programs is an inline PTX statement with side effects, which
+    Inductor's analysis of what a user-defined kernel writes cannot read (torch 2.11-2.13: it
+    then takes every input as written and copies each one), and whose source Inductor's
+    generated module does not quote intact."""
+    if _reason(x, (x.dtype,)) is not None:
+        return False  # the reference serves the call: decomposed, Inductor compiles it
+    n = int(x.shape[-1])
+    return max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split) > 1
+
+
 def _layout_reason(x: Tensor) -> tuple[RowLayout | None, str | None]:
     layout = row_layout(x)
     if layout is not None:
