@@ -74,14 +74,17 @@ def summarize_run(run_dir: str) -> RunSummary:
 
 
 def diff_table(a: RunSummary, b: RunSummary, rows: int = 12) -> list[str]:
-    """Per-kernel diff of two runs (what HTA's TraceDiff reports): the kernels whose time per
-    step changed most, with each run's time and the difference."""
+    """Per-kernel diff of two runs (what HTA's TraceDiff reports): the ``rows`` kernels whose time
+    per step changed most, then the norm kernels of either run not among them (on a busy GPU the
+    matmuls' swings can fill the first rows), with each run's time and the difference."""
     unit = "device" if a.device_kernels and b.device_kernels else "CPU op"
     names = set(a.per_kernel) | set(b.per_kernel)
     delta = {n: b.per_kernel.get(n, 0.0) - a.per_kernel.get(n, 0.0) for n in names}
     top = sorted(names, key=lambda n: -abs(delta[n]))[:rows]
+    top += sorted((n for n in {*a.norm, *b.norm} & names if n not in top), key=lambda n: -abs(delta[n]))
     nested = "" if unit == "device" else " CPU ops nest, so these are inclusive times."
-    lines = [f"## Per-kernel diff ({b.name} − {a.name}, {unit} µs/step, largest changes first)", "",
+    lines = [f"## Per-kernel diff ({b.name} − {a.name}, {unit} µs/step, largest changes first, then the other "
+             "norm kernels)", "",
              f"What HTA's TraceDiff reports, computed from the same trace files.{nested}", "",
              f"| kernel | {a.name} | {b.name} | difference |", "|---|---|---|---|"]
     lines += [f"| `{n[:90]}` | {a.per_kernel.get(n, 0.0):.1f} | {b.per_kernel.get(n, 0.0):.1f} | {delta[n]:+.1f} |"
