@@ -105,8 +105,8 @@ def split_mode_serves(x: Tensor) -> bool:
     backward. A compiled graph keeps such an op as one opaque call (``ops._decomposes``): split
     mode's exchange between programs is an inline PTX statement with side effects, which
     Inductor's analysis of what a user-defined kernel writes cannot read (torch 2.11-2.13: it
-    then takes every input as written and copies each one), and whose source Inductor's
-    generated module does not quote intact."""
+    then takes every input as written), and whose source Inductor's generated module does not
+    quote intact."""
     if _reason(x, (x.dtype,)) is not None:
         return False  # the reference serves the call: decomposed, Inductor compiles it
     n = int(x.shape[-1])
