@@ -68,12 +68,17 @@ def _device_dtype_reason(device: torch.device, dtypes: tuple[torch.dtype | None,
     return None
 
 
+def _programs_per_row(n: int, dtype: torch.dtype) -> int:
+    """Programs the table gives a row of ``n`` in split mode, forward or backward (1: none)."""
+    return max(forward_config(n, dtype).split, backward_config(n, dtype).split)
+
+
 @functools.cache  # fixed per (n, dtype, device)
 def split_mode_reason(n: int, dtype: torch.dtype, device: torch.device) -> str | None:
     """Why split mode (long rows) cannot run rows of ``n`` on this GPU, or None: a row's programs
     must all be resident at once (each waits for the others' partials), so never more of them
     than the GPU has multiprocessors; and their exchange is inline NVIDIA PTX (not ROCm)."""
-    split = max(forward_config(n, dtype).split, backward_config(n, dtype).split)
+    split = _programs_per_row(n, dtype)
     if split > sm_count(device):
         return f"N = {n} needs {split} programs per row, more than this GPU's {sm_count(device)} SMs"
     if split > 1 and torch.version.hip is not None:
@@ -109,8 +114,7 @@ def split_mode_serves(x: Tensor) -> bool:
     quote intact."""
     if _reason(x, (x.dtype,)) is not None:
         return False  # the reference serves the call: decomposed, Inductor compiles it
-    n = int(x.shape[-1])
-    return max(forward_config(n, x.dtype).split, backward_config(n, x.dtype).split) > 1
+    return _programs_per_row(int(x.shape[-1]), x.dtype) > 1
 
 
 def _layout_reason(x: Tensor) -> tuple[RowLayout | None, str | None]:
