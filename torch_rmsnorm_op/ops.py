@@ -327,7 +327,8 @@ def _decomposition(name: str):
 
     def rule(mode, op, types, args, kwargs):
         x = args[x_arg]
-        if not _decomposes(x) or not _torch_compat.decomposing_custom_triton_ops():
+        # export's setting first: keeping the op whole needs no look at x's device
+        if not _torch_compat.decomposing_custom_triton_ops() or not _decomposes(x):
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
         if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
             return NotImplemented
