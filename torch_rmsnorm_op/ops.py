@@ -311,8 +311,8 @@ def _decomposes(x: Tensor) -> bool:
     """Whether a graph traced over ``x`` holds the op's decomposition rather than one opaque call:
     on CUDA (the kernels' launches, or the reference's operations where they do not serve the
     call), but for rows the kernels serve in split mode (``dispatch.split_mode_serves``), which
-    run as in eager mode; on CPU wherever the Triton interpreter cannot run the kernels when the graph runs,
-    which leaves the reference, decided while tracing and compiled by Inductor: without
+    run as in eager mode; on CPU wherever the Triton interpreter cannot run the kernels when the
+    graph runs, which leaves the reference, decided while tracing and compiled by Inductor: without
     ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back into no Python). With
     the interpreter a CPU graph keeps the op whole, and each call runs the kernels interpreted.
     The compile caches keep the two CPU graphs apart: only without the interpreter do the
