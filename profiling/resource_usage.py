@@ -11,7 +11,8 @@ specialize it for the benchmark's contiguous x of 256 MiB (``--m`` for another r
 16-byte aligned pointers, integer arguments by value (1 a constant, multiples of 16 marked so),
 the launcher's constexprs (masks dropped where the tiles cover x exactly, the looped forward's
 step count, the backward's dweight partials merged in pairs where the launcher would merge
-them). With ``--near`` it also compiles the candidates ``tune.py`` times around the table's
+them, the forward's weight loaded first where ``config.with_early_weight`` would load it on the
+H200). With ``--near`` it also compiles the candidates ``tune.py`` times around the table's
 configuration (``fwd_candidates`` / ``bwd_candidates``). Compiles run in ``--workers``
 processes. Do not set TRITON_INTERPRET.
 
@@ -47,11 +48,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tune import bwd_candidates, fwd_candidates  # noqa: E402
 
 from torch_rmsnorm_op import kernels, launch  # noqa: E402
-from torch_rmsnorm_op.config import KernelConfig, backward_config, cdiv, forward_config  # noqa: E402
+from torch_rmsnorm_op.config import (  # noqa: E402
+    KernelConfig,
+    backward_config,
+    cdiv,
+    forward_config,
+    with_early_weight,
+)
 from torch_rmsnorm_op.tools.benchmark import BANDWIDTH_BYTES  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 SMS = 132  # the H200's multiprocessors: they size the grid's row groups (config.row_groups)
+THREAD_SLOTS = SMS * 2048  # the threads the H200 holds at once (config.with_early_weight)
 # The launches' compile option (fused multiply-adds on, stated rather than left to Triton's default).
 COMPILE_OPTIONS = dict(enable_fp_fusion=True)
 TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -90,7 +98,7 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
     common = dict(BLOCK_N=cfg.block_n, HAS_WEIGHT=True, LEAD_DIMS=1, WEIGHT_OFFSET=0.0)
     if pass_name == "norm_add_fwd":
         return common | dict(ROWS=cfg.rows, HAS_X_WEIGHT=True, UNMASKED=cfg.mask_free and launch.exact_tiles(cfg, m, n),
-                             STORE_RSTD=True, ROUND=0)
+                             STORE_RSTD=True, ROUND=0, EARLY_WEIGHT=cfg.early_weight)
     if backward:
         if merge is None:
             merge = launch.merged_partials(row_groups(m, cfg)[0], m, n, dtype)
@@ -106,7 +114,7 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
     unmasked = cfg.mask_free and launch.exact_tiles(cfg, m, n)
     if cfg.looped:
         return common | dict(UNMASKED=unmasked, STAGES=cfg.stages, STEPS=launch.loop_steps(cfg, m, n))
-    return common | dict(ROWS=cfg.rows, UNMASKED=unmasked)
+    return common | dict(ROWS=cfg.rows, UNMASKED=unmasked, EARLY_WEIGHT=cfg.early_weight)
 
 
 def int_args(cfg: KernelConfig, m: int, n: int, residual: bool) -> dict[str, int]:
@@ -185,10 +193,11 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None, float_args: 
             table = backward_config(n, dtype, rows)
         else:  # the norm-add pair's kernel runs at x's norm's configuration
             table = forward_config(n, dtype, pass_name == "add_fwd", rows)
+            table = with_early_weight(table, rows, torch.device("cpu"), THREAD_SLOTS)
             if pass_name == "norm_add_fwd":
                 if table.split > 1:
                     raise SystemExit(f"{job}: the norm-add kernel serves no split-mode configuration")
-                table, near = launch._norm_add_config(table), False
+                table, near = launch._norm_add_config(table, rows, torch.device("cpu"), THREAD_SLOTS), False
         cfgs = [table]
         if near:
             try:

@@ -42,7 +42,13 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_rmsnorm_op import dispatch, launch, reference  # noqa: E402
-from torch_rmsnorm_op.config import KernelConfig, backward_config, fit_to_rows, forward_config  # noqa: E402
+from torch_rmsnorm_op.config import (  # noqa: E402
+    KernelConfig,
+    backward_config,
+    fit_to_rows,
+    forward_config,
+    with_early_weight,
+)
 
 EPS = 1e-6
 ROTATE_BYTES = 512 * 2**20  # over 8x the H200's 60 MB L2
@@ -201,8 +207,11 @@ def candidates(job: Job, table: KernelConfig, table_only: bool, dw_columns: bool
         return [table]
     if dw_columns and job.backward:
         return list(dict.fromkeys([table, *dw_column_candidates(job.n, table)]))
-    gen = bwd_candidates if job.backward else fwd_candidates
-    return list(dict.fromkeys([table, *gen(job.n, table)]))
+    if job.backward:
+        return list(dict.fromkeys([table, *bwd_candidates(job.n, table)]))
+    # Each forward candidate with the weight's load where the launcher would place it at this M.
+    return list(dict.fromkeys([table, *(with_early_weight(c, job.m, torch.device(DEVICE))
+                                        for c in fwd_candidates(job.n, table))]))
 
 
 def _precompile(job: Job, cfgs: list[KernelConfig]) -> int:
@@ -343,6 +352,8 @@ def main() -> None:
         else:
             cfg = forward_config(job.n, job.dtype, job.residual, job.m, job.wdtype)
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
+        if not job.backward:
+            table = with_early_weight(table, job.m, torch.device(DEVICE))
         jobs.append((job, candidates(job, table, args.table_only, args.dw_columns)))
     if args.workers > 1:
         precompile(jobs, args.workers)

@@ -7,12 +7,15 @@ import torch
 
 from torch_rmsnorm_op.config import (
     BWD_DW_COLUMNS,
+    EARLY_WEIGHT_ELEMENTS,
     MAX_N,
     MAX_SPLIT,
+    KernelConfig,
     backward_config,
     fit_to_rows,
     forward_config,
     next_power_of_2,
+    with_early_weight,
 )
 
 
@@ -103,6 +106,47 @@ def test_forward_rungs_for_few_rows():
         assert forward_config(n, bf16, m=16, weight_dtype=fp32) == forward_config(n, bf16)
         assert forward_config(n, bf16, m=16, weight_dtype=bf16) == forward_config(n, bf16, m=16)
         assert forward_config(n, fp32, m=16, weight_dtype=bf16) == forward_config(n, fp32)
+
+
+def test_the_forward_loads_its_weight_first_where_that_was_measured_faster():
+    """Tiles of ``EARLY_WEIGHT_ELEMENTS`` per thread load the weight first at any M, symbolic
+    included; one row per program, where M is known and its threads fill at most half of the
+    device's; the N = 2,048 rung for many rows, as its options say; never several rows per
+    program otherwise, nor the looped or split forward. The norm-add kernel's two weights load
+    first at the wide tiles over few rows only."""
+    cpu = torch.device("cpu")
+    bf16 = torch.bfloat16
+    many = forward_config(2048, bf16, m=8192)
+    assert (many.rows, many.early_weight) == (2, True) and forward_config(2048, bf16).early_weight
+    assert not forward_config(2048, bf16, m=4096).early_weight  # the few-rows rung: by M, below
+    slots = 132 * 2048  # the H200's
+    wide = KernelConfig(8192, 1, 4)  # N = 7,168: 64 elements per thread
+    assert 8192 // (4 * 32) == EARLY_WEIGHT_ELEMENTS
+    for m in (16, 2048, 16384, None):
+        assert with_early_weight(wide, m, cpu, slots) == dataclasses.replace(wide, early_weight=True)
+    assert with_early_weight(KernelConfig(8192, 2, 4), 16384, cpu, slots).early_weight  # fp32 N = 8,192
+    assert not with_early_weight(KernelConfig(4096, 1, 4), 16384, cpu, slots).early_weight  # 32 per thread
+    one_row = KernelConfig(2048, 1, 4, mask_free=True)  # 128 threads
+    assert with_early_weight(one_row, 16, cpu, slots).early_weight
+    assert with_early_weight(one_row, 1056, cpu, slots).early_weight  # 1,056 x 128 = half of the slots
+    assert not with_early_weight(one_row, 1057, cpu, slots).early_weight
+    assert not with_early_weight(one_row, 2048, cpu, slots).early_weight
+    assert not with_early_weight(one_row, None, cpu, slots).early_weight
+    assert not with_early_weight(KernelConfig(128, 2, 2), 264, cpu, slots).early_weight
+    assert not with_early_weight(KernelConfig(8192, 1, 4, looped=True), 16, cpu, slots).early_weight
+    assert not with_early_weight(KernelConfig(8192, 1, 4, split=4), 16, cpu, slots).early_weight
+    for m, early in ((16, True), (1056, True), (1057, False), (None, False)):
+        assert with_early_weight(wide, m, cpu, slots, weights=2).early_weight == early
+        assert with_early_weight(one_row, m, cpu, slots, weights=2).early_weight == early
+    assert with_early_weight(many, 8192, cpu, slots, weights=2).early_weight  # the rung's option holds
+    assert not with_early_weight(dataclasses.replace(wide, early_weight=True), 8192, cpu, slots, 2).early_weight
+    # Without thread_slots, the device's: the interpreter's 4 multiprocessors of 2,048 threads.
+    assert with_early_weight(one_row, 32, cpu).early_weight
+    assert not with_early_weight(one_row, 33, cpu).early_weight
+    with pytest.raises(ValueError, match="early_weight is for the single-pass forward"):
+        KernelConfig(1024, 1, 4, looped=True, early_weight=True)
+    with pytest.raises(ValueError, match="early_weight is for the single-pass forward"):
+        KernelConfig(1024, 1, 4, split=4, early_weight=True)
 
 
 def test_backward_rungs_for_few_rows():

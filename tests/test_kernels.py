@@ -23,6 +23,7 @@ EPS = 1e-6
 FORWARD = {
     "rows": KernelConfig(64, 4, 2),
     "rows-unmasked": KernelConfig(64, 4, 2, mask_free=True),
+    "rows-early-weight": KernelConfig(64, 1, 2, early_weight=True),
     "looped": KernelConfig(16, 1, 4, looped=True),
     "looped-unmasked": KernelConfig(16, 1, 4, looped=True, mask_free=True),
     "split": KernelConfig(16, 1, 4, split=4, programs_per_sm=1, stages=2, interleave=True),
@@ -85,6 +86,29 @@ def test_forward_strategies(device, strategy, layout, residual):
         tol = few_roundings(norm_dtype) if narrower else TOL[y.dtype]
         torch.testing.assert_close(y.double(), y_ref.to(y.dtype).double(), **tol)
         torch.testing.assert_close(rstd.double(), rstd_ref, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("kind", ["plain", "residual", "norm-add"])
+def test_forward_bits_do_not_depend_on_where_the_weight_is_loaded(device, kind):
+    """``early_weight`` moves the weight's load, not the arithmetic: y, the sum and rstd keep their bits."""
+    m, n = 10, 60
+    x = torch.randn(m, n, dtype=torch.bfloat16, device=device)
+    r = torch.randn(m, n, dtype=torch.bfloat16, device=device)
+    w, xw = torch.rand(n, device=device) + 0.5, torch.rand(n, device=device) + 0.5
+    outs = []
+    for early in (False, True):
+        plan = dispatch.forward_plan(x, w, r if kind == "residual" else None, norm_dtype=torch.bfloat16)
+        plan = dataclasses.replace(plan, cfg=KernelConfig(64, 2, 2, early_weight=early), launcher=None)
+        y, h = _poison(x.shape, x.dtype, device), _poison(x.shape, x.dtype, device)
+        rstd, x_rstd = _poison((m,), torch.float32, device), _poison((m,), torch.float32, device)
+        if kind == "norm-add":
+            launch.forward_norm_add(plan, x, r, xw, w, EPS, EPS, y, h, rstd, x_rstd)
+        else:
+            launch.forward(plan, x, w, EPS, y, rstd, r if kind == "residual" else None, h if kind == "residual" else None)
+        outs.append((y, h, rstd, x_rstd))
+    for late, early in zip(*outs, strict=True):
+        assert torch.equal(late, early) or (late.isnan().all() and early.isnan().all())
+    assert not outs[0][0].isnan().any()
 
 
 @pytest.mark.parametrize("strategy", list(BACKWARD))

@@ -54,9 +54,17 @@ FWD_LADDER = (
     (2048, 2048, 4, dict(mask_free=True, max_m=4096)),
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/tuning/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
-    # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%).
-    (2048, 4096, 8, dict(mask_free=True)),
-    (4095, 4096, 8, {}),
+    # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%). N=2048 with the weight loaded first
+    # (early_weight): 17.74 -> 17.56 us at 8192 rows, 34.36 -> 34.09 with the residual, the norm-add kernel 34.85
+    # -> 34.29; 8192 rows with an fp32 weight 17.81 -> 17.86 (early-weight.json, with_early_weight's rows).
+    (2048, 4096, 8, dict(mask_free=True, early_weight=True)),
+    # N=2049-4095: 1 row x 2 warps, 64 elements a thread, so the weight loads first (with_early_weight); 1 row x 8
+    # warps, the rung before, at 2048 / 8192 rows (profiling/results/tuning/2026-12-04-h200-early-weight/
+    # rung-2049-4095.json, retune-bf16.json): N=2560 7.09 / 22.67 us against 7.84 / 23.57, 3072 7.87 / 25.38
+    # against 9.18 / 26.32, 3584 8.83 / 29.22 against 9.91 / 30.07 (Inductor 9.61 / 37.01), with the residual
+    # 15.85 / 57.38 against 16.25 / 57.86; N=3840 9.42 / 31.51 (1 row x 8 warps 10.18-10.51 / 32.40). At 16 rows
+    # 1 row x 4 warps is faster still (3584: 1.29 against 1.56, Inductor 2.24).
+    (4095, 4096, 2, {}),
     # Few rows: N=4096 single-pass, 1 row x 8 warps without masks: 16 / 1024 / 2048 rows 1.41 / 5.78 / 10.68 us
     # against the looped rung's 1.77 / 6.15 / 10.75, with the residual 1024 / 2048 rows 9.71 / 18.32 against 9.98 /
     # 18.36; at 4096 rows 18.52 against 17.98.
@@ -116,6 +124,23 @@ FWD_LADDER_FP32 = (
 # (4 per SM 88.8%), fp32 65536 89.0% (8 warps 88.6%).
 FWD_SPLIT = ((MAX_N, 16384, 8, dict(programs_per_sm=2, stages=2, interleave=True)),)
 FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=True)),)
+# Single-pass forward: where the weight's load goes (with_early_weight). After the row's sum, its latency
+# sits on each program's path between the sum and y's store; before x, it overlaps x's. GPU time, the
+# table's configuration, weight late -> first (profiling/results/tuning/2026-12-04-h200-early-weight/
+# early-weight.json, bf16 unless marked, no rstd):
+# - tiles of 64 elements a thread (8192 columns x 4 warps at N = 5,120-7,168; fp32 8,192-32,768): faster at
+#   every M measured, 16 x 7168 2.48 -> 1.64 us, 2048 x 7168 17.88 -> 16.50, 8192 x 7168 59.54 -> 57.70, with
+#   the residual 30.27 -> 29.65 at 2,048 rows, fp32 528 x 16384 22.68 -> 20.69 (16 x 32768 5.54 -> 5.60);
+# - one row a program, grids of at most half the device's threads: 16-528 rows 3-14% faster (16 x 2048 1.32
+#   -> 1.15, 528 x 4096 3.45 -> 3.32; 1024 x 1536 level). A grid that fills the device once, every program
+#   resident from the start, runs 12-18% slower (2048 x 2048 4.92 -> 5.51, 1024 x 4096 4.84 -> 5.63), and
+#   more rows move by -3% to +5%;
+# - several rows a program at small N: slower at every M (N = 128: 264-8192 rows 6-14%), left late.
+# The norm-add kernel holds two weights: at 64 elements a thread both loaded first take 219 registers
+# against 168 at N = 7,168, 2048 / 8192 rows 33.64 -> 35.61 / 118.94 -> 132.37 us; over few rows 12-15%
+# faster (528 x 7168 9.95 -> 8.73).
+EARLY_WEIGHT_ELEMENTS = 64
+EARLY_WEIGHT_SHARE = 0.5
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
 # row-loop form, counted_loop (kernels._rms_norm_bwd), which moves results by up to 12 points
 # either way, by N and dtype: bwd-loop-form.json; max_m, as the forward's). Figures by bench timing
@@ -257,7 +282,9 @@ class KernelConfig:
     ``stages`` is the row (or step) loop's ``num_stages``: above 1, Triton's pipeliner loads
     ``stages - 1`` iterations ahead into shared memory;
     ``dw_columns`` (single-pass backward) > 0: dweight from programs of ``dw_columns`` columns
-    each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows."""
+    each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows;
+    ``early_weight`` (single-pass forward) loads the weight before x instead of after the row's
+    sum (``with_early_weight``)."""
 
     block_n: int
     rows: int
@@ -272,6 +299,7 @@ class KernelConfig:
     interleave: bool = False
     keep_rows: bool = False
     dw_columns: int = 0
+    early_weight: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -287,6 +315,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: reload is single-pass only (split == 1), got {self}")
         if self.dw_columns and (self.split != 1 or self.looped or self.dw_columns & (self.dw_columns - 1)):
             raise ValueError(f"KernelConfig: dw_columns is a power of two, for the single-pass backward, got {self}")
+        if self.early_weight and (self.split != 1 or self.looped):
+            raise ValueError(f"KernelConfig: early_weight is for the single-pass forward, got {self}")
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:
@@ -323,6 +353,27 @@ def fit_to_rows(cfg: KernelConfig, m: int, device: torch.device) -> KernelConfig
         rows //= 2
     # mask_free stays: the launcher drops the masks only where the new tiles still cover x exactly.
     return cfg if rows == cfg.rows else dataclasses.replace(cfg, rows=rows)
+
+
+def with_early_weight(cfg: KernelConfig, m: int | torch.SymInt, device: torch.device,
+                      thread_slots: int | None = None, weights: int = 1) -> KernelConfig:
+    """``cfg``, a forward's configuration as ``fit_to_rows`` left it, with ``early_weight`` set
+    where the single-pass forward runs faster loading its weight before x: where the rung sets
+    it; where each thread holds at least ``EARLY_WEIGHT_ELEMENTS`` of a tile's elements, at any
+    M; and with one row per program, where M is known and the grid's threads fill at most
+    ``EARLY_WEIGHT_SHARE`` of the threads ``device`` holds at once (``thread_slots``, if given,
+    stands for that count). A kernel that loads ``weights`` = 2 (the norm-add kernel) loads them
+    first at such wide tiles only in that last case, and cleared otherwise. The measurements are
+    beside ``EARLY_WEIGHT_ELEMENTS``."""
+    if cfg.split > 1 or cfg.looped:
+        return cfg
+    threads = cfg.num_warps * 32
+    wide = cfg.block_n * cfg.rows >= EARLY_WEIGHT_ELEMENTS * threads
+    if thread_slots is None and cfg.rows == 1 and type(m) is int:
+        thread_slots = sm_count(device) * sm_threads(device)
+    few_rows = cfg.rows == 1 and type(m) is int and m * threads <= EARLY_WEIGHT_SHARE * thread_slots
+    early = few_rows if wide and weights > 1 else cfg.early_weight or wide or few_rows
+    return cfg if early == cfg.early_weight else dataclasses.replace(cfg, early_weight=early)
 
 
 def _row_bounds(*ladders: tuple) -> tuple[int, ...]:
@@ -388,6 +439,15 @@ def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SM_COUNT
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def sm_threads(device: torch.device) -> int:
+    """Threads a multiprocessor holds at once (cached): 2,048 on the H200, and taken as such
+    off CUDA."""
+    if device.type != "cuda":
+        return 2048
+    return torch.cuda.get_device_properties(device).max_threads_per_multi_processor
 
 
 def reduce_tile(rows: int) -> tuple[int, int]:

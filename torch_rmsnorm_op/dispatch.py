@@ -20,7 +20,15 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat
-from torch_rmsnorm_op.config import MAX_N, KernelConfig, backward_config, fit_to_rows, forward_config, sm_count
+from torch_rmsnorm_op.config import (
+    MAX_N,
+    KernelConfig,
+    backward_config,
+    fit_to_rows,
+    forward_config,
+    sm_count,
+    with_early_weight,
+)
 from torch_rmsnorm_op.layout import RowLayout, row_layout, row_stride
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -162,7 +170,7 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
         n = int(x.shape[-1])
         m = x.numel() // n
         cfg = forward_config(n, sum_dtype, residual is not None, m, None if weight is None else weight.dtype)
-        cfg = fit_to_rows(cfg, m, x.device)
+        cfg = with_early_weight(fit_to_rows(cfg, m, x.device), m, x.device)
         return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd)
 
     if not _is_concrete(x):  # traced: sizes may be symbolic, nothing to keep

@@ -35,6 +35,7 @@ from torch_rmsnorm_op.config import (
     reduce_tile,
     row_groups,
     sm_count,
+    with_early_weight,
 )
 from torch_rmsnorm_op.dispatch import Plan
 from torch_rmsnorm_op.layout import row_stride
@@ -94,7 +95,7 @@ def _forward_consts(cfg: KernelConfig, has_weight: bool, has_residual: bool, lea
     else:
         out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_RESIDUAL=has_residual,
                    LEAD_DIMS=lead_dims, UNMASKED=unmasked, STORE_RSTD=store_rstd, WEIGHT_OFFSET=weight_offset,
-                   ROUND=round_code)
+                   ROUND=round_code, EARLY_WEIGHT=cfg.early_weight)
     return MappingProxyType(out)
 
 
@@ -170,13 +171,14 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
     return all(type(t) not in (Tensor, torch.nn.Parameter) or t.data_ptr() & 15 == 0 for t in (x, residual))
 
 
-def _norm_add_config(cfg: KernelConfig) -> KernelConfig:
-    """The single-pass configuration the norm-add kernel runs for ``cfg``: itself, or for a
-    looped one of a single step, one row per program of its block and warps, whose sum of
-    squares, over the same block in the same layout, has the looped kernel's bits."""
-    if not cfg.looped:
-        return cfg
-    return KernelConfig(cfg.block_n, 1, cfg.num_warps, mask_free=cfg.mask_free)
+def _norm_add_config(cfg: KernelConfig, m, device: torch.device, thread_slots: int | None = None) -> KernelConfig:
+    """The single-pass configuration the norm-add kernel runs for ``cfg`` over ``m`` rows: itself,
+    or for a looped one of a single step, one row per program of its block and warps, whose sum
+    of squares, over the same block in the same layout, has the looped kernel's bits; its two
+    weights loaded first where ``with_early_weight`` says for two."""
+    if cfg.looped:
+        cfg = KernelConfig(cfg.block_n, 1, cfg.num_warps, mask_free=cfg.mask_free)
+    return with_early_weight(cfg, m, device, thread_slots, weights=2)
 
 
 def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,
@@ -186,7 +188,8 @@ def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor |
     (and both rstds unless None) in one launch of ``plan``'s configuration (``norm_add_fuses``).
     ``x`` is addressed by ``plan.layout``; ``residual``, ``y`` and ``h`` have single-stride rows;
     the weights are contiguous [N] or None."""
-    cfg, m, n, layout = _norm_add_config(plan.cfg), plan.m, plan.n, plan.layout
+    m, n, layout = plan.m, plan.n, plan.layout
+    cfg = _norm_add_config(plan.cfg, m, x.device)
     if m == 0:
         return
     ptrs = [x, residual, x if x_weight is None else x_weight, x if weight is None else weight, y, h,
@@ -195,7 +198,7 @@ def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor |
     consts = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_X_WEIGHT=x_weight is not None,
                   HAS_WEIGHT=weight is not None, LEAD_DIMS=layout.dims,
                   UNMASKED=cfg.mask_free and exact_tiles(cfg, m, n), STORE_RSTD=rstd is not None,
-                  WEIGHT_OFFSET=plan.weight_offset, ROUND=plan.round_code)
+                  WEIGHT_OFFSET=plan.weight_offset, ROUND=plan.round_code, EARLY_WEIGHT=cfg.early_weight)
     k = kernels or _kernels()
     _launch(k._rms_norm_fwd_norm_add_rows, (cdiv(m, cfg.rows),), [*ptrs, m, n, float(x_eps), float(eps), *strides],
             consts, cfg.num_warps, x.device, traced)

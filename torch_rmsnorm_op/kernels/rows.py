@@ -2,8 +2,10 @@
 
 Forward: a program holds ``ROWS`` rows of ``BLOCK_N >= N`` columns in registers and reads x
 once; several rows per program for small N. Without masks (``UNMASKED``) where the tiles cover
-x exactly. The norm-add forward normalizes x, adds the result to the residual and normalizes
-the sum, all in registers: x and the residual read once, the sum and y written once.
+x exactly. The weight is loaded after the row's sum, or, with ``EARLY_WEIGHT``, before x, so
+that no load waits between the sum and y's store (``config.with_early_weight`` says where). The
+norm-add forward normalizes x, adds the result to the residual and normalizes the sum, all in
+registers: x and the residual read once, the sum and y written once.
 
 Backward: a program walks its group of ``rows_per_group`` rows one ``ROWS``-row tile at a
 time, writes dx and accumulates its group's dweight partial row in fp32 (scratch is groups x
@@ -88,6 +90,7 @@ def _rms_norm_fwd_rows(
     STORE_RSTD: tl.constexpr,  # False when nothing will read rstd (inference)
     WEIGHT_OFFSET: tl.constexpr,  # the weight scales as w + WEIGHT_OFFSET
     ROUND: tl.constexpr,  # round x * rstd to fp16 (1) or bf16 (2) before the weight
+    EARLY_WEIGHT: tl.constexpr,  # load the weight before x, not after the row's sum (KernelConfig)
 ):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -96,6 +99,9 @@ def _rms_norm_fwd_rows(
     else:
         row_mask, col_mask, other = rows < M, cols < N, 0.0
         mask = row_mask[:, None] & col_mask[None, :]
+    w = 0.0
+    if HAS_WEIGHT and EARLY_WEIGHT:
+        w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
     x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
     if HAS_RESIDUAL:
@@ -104,8 +110,7 @@ def _rms_norm_fwd_rows(
         tl.store(H + rows[:, None] * h_stride + cols[None, :], x, mask=mask)
     x = x.to(tl.float32)
     rstd = _rstd(tl.sum(x * x, axis=1), N, eps)
-    w = 0.0
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and not EARLY_WEIGHT:
         w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     y = _scale(x, rstd[:, None], w, HAS_WEIGHT, ROUND)
     tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -144,6 +149,7 @@ def _rms_norm_fwd_norm_add_rows(
     STORE_RSTD: tl.constexpr,
     WEIGHT_OFFSET: tl.constexpr,  # both weights scale as w + WEIGHT_OFFSET
     ROUND: tl.constexpr,  # both norms round x * rstd so before their weight
+    EARLY_WEIGHT: tl.constexpr,  # load both weights before x, as in _rms_norm_fwd_rows
 ):
     # The prologue and the normalization as in _rms_norm_fwd_rows, written out: a @triton.jit helper
     # cannot return the None masks of UNMASKED (Triton 3.6: "cannot convert None ... to tensor").
@@ -154,6 +160,12 @@ def _rms_norm_fwd_norm_add_rows(
     else:
         row_mask, col_mask, other = rows < M, cols < N, 0.0
         mask = row_mask[:, None] & col_mask[None, :]
+    xw, w = 0.0, 0.0
+    if EARLY_WEIGHT:
+        if HAS_X_WEIGHT:
+            xw = _weight(tl.load(XW + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
+        if HAS_WEIGHT:
+            w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
     x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
     r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
@@ -161,8 +173,7 @@ def _rms_norm_fwd_norm_add_rows(
     x_normed_ty = x.dtype
     x = x.to(tl.float32)
     x_rstd = _rstd(tl.sum(x * x, axis=1), N, x_eps)
-    xw = 0.0
-    if HAS_X_WEIGHT:
+    if HAS_X_WEIGHT and not EARLY_WEIGHT:
         xw = _weight(tl.load(XW + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     x_normed = _scale(x, x_rstd[:, None], xw, HAS_X_WEIGHT, ROUND)
     if ROUND == 2:  # bf16 x, rounded before its weight too (the launcher's rule): kept from the add's contraction
@@ -174,8 +185,7 @@ def _rms_norm_fwd_norm_add_rows(
     tl.store(H + rows[:, None] * h_stride + cols[None, :], h, mask=mask)
     h = h.to(tl.float32)
     rstd = _rstd(tl.sum(h * h, axis=1), N, eps)
-    w = 0.0
-    if HAS_WEIGHT:
+    if HAS_WEIGHT and not EARLY_WEIGHT:
         w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     y = _scale(h, rstd[:, None], w, HAS_WEIGHT, ROUND)
     tl.store(Y + rows[:, None] * y_stride + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
