@@ -91,6 +91,9 @@ def test_forward_rungs_for_few_rows():
         assert forward_config(4096, bf16, residual, 2048).mask_free
         assert forward_config(4096, bf16, residual, 2049) == forward_config(4096, bf16, residual)
         assert forward_config(4096, bf16, residual).looped
+    for n in (2049, 3584, 4095):
+        assert shape(forward_config(n, bf16, m=1024)) == (False, 4096, 1, 8)
+        assert shape(forward_config(n, bf16, m=1025)) == shape(forward_config(n, bf16)) == (False, 4096, 1, 2)
     assert shape(forward_config(5120, bf16, m=1024)) == (False, 8192, 1, 4)
     assert shape(forward_config(5120, bf16, m=1025)) == (True, 1024, 1, 4)
     assert shape(forward_config(5120, bf16, m=2048)) == (True, 1024, 1, 4)

@@ -55,15 +55,19 @@ FWD_LADDER = (
     # At the shapes models run (8192 rows, inputs past L2; profiling/results/tuning/2026-12-01-h200-real-shapes/
     # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
     # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%). N=2048 with the weight loaded first
-    # (early_weight): 17.74 -> 17.56 us at 8192 rows, 34.36 -> 34.09 with the residual, the norm-add kernel 34.85
-    # -> 34.29; 8192 rows with an fp32 weight 17.81 -> 17.86 (early-weight.json, with_early_weight's rows).
+    # (early_weight): 17.98 -> 17.64 us at 8192 rows, 34.77 -> 34.43 with the residual, the norm-add kernel 35.21
+    # -> 34.59; with an fp32 weight 17.90 -> 17.88, and 5.38 -> 5.63 at 2048 rows, where such a weight takes
+    # this rung (early-weight.json).
     (2048, 4096, 8, dict(mask_free=True, early_weight=True)),
     # N=2049-4095: 1 row x 2 warps, 64 elements a thread, so the weight loads first (with_early_weight); 1 row x 8
     # warps, the rung before, at 2048 / 8192 rows (profiling/results/tuning/2026-12-04-h200-early-weight/
     # rung-2049-4095.json, retune-bf16.json): N=2560 7.09 / 22.67 us against 7.84 / 23.57, 3072 7.87 / 25.38
     # against 9.18 / 26.32, 3584 8.83 / 29.22 against 9.91 / 30.07 (Inductor 9.61 / 37.01), with the residual
-    # 15.85 / 57.38 against 16.25 / 57.86; N=3840 9.42 / 31.51 (1 row x 8 warps 10.18-10.51 / 32.40). At 16 rows
-    # 1 row x 4 warps is faster still (3584: 1.29 against 1.56, Inductor 2.24).
+    # 15.85 / 57.38 against 16.25 / 57.86; N=3840 9.42 / 31.51 against 10.20 / 32.40. Few rows keep 1 row x 8 warps
+    # (the weight first up to 528 rows): N=3584 at 16 / 528 / 1024 rows 1.28 / 3.05 / 4.44 us against 1 row x 2
+    # warps' 1.42 / 3.12 / 4.50, at 2048 rows 8.05 against 7.84 (early-weight-a.json, early-weight.json); 16 rows
+    # N=3840 1.29 against 1.78 (rung-2049-4095.json).
+    (4095, 4096, 8, dict(max_m=1024)),
     (4095, 4096, 2, {}),
     # Few rows: N=4096 single-pass, 1 row x 8 warps without masks: 16 / 1024 / 2048 rows 1.41 / 5.78 / 10.68 us
     # against the looped rung's 1.77 / 6.15 / 10.75, with the residual 1024 / 2048 rows 9.71 / 18.32 against 9.98 /
@@ -129,15 +133,15 @@ FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=
 # table's configuration, weight late -> first (profiling/results/tuning/2026-12-04-h200-early-weight/
 # early-weight.json, bf16 unless marked, no rstd):
 # - tiles of 64 elements a thread (8192 columns x 4 warps at N = 5,120-7,168; fp32 8,192-32,768): faster at
-#   every M measured, 16 x 7168 2.48 -> 1.64 us, 2048 x 7168 17.88 -> 16.50, 8192 x 7168 59.54 -> 57.70, with
-#   the residual 30.27 -> 29.65 at 2,048 rows, fp32 528 x 16384 22.68 -> 20.69 (16 x 32768 5.54 -> 5.60);
-# - one row a program, grids of at most half the device's threads: 16-528 rows 3-14% faster (16 x 2048 1.32
-#   -> 1.15, 528 x 4096 3.45 -> 3.32; 1024 x 1536 level). A grid that fills the device once, every program
-#   resident from the start, runs 12-18% slower (2048 x 2048 4.92 -> 5.51, 1024 x 4096 4.84 -> 5.63), and
-#   more rows move by -3% to +5%;
-# - several rows a program at small N: slower at every M (N = 128: 264-8192 rows 6-14%), left late.
+#   every M measured, 16 x 7168 2.48 -> 1.64 us, 2048 x 7168 17.99 -> 16.50, 8192 x 7168 60.11 -> 58.13, with
+#   the residual 30.40 -> 29.84 at 2,048 rows, fp32 528 x 16384 22.91 -> 20.80 (16 x 32768 5.54 -> 5.60);
+# - one row a program, grids of at most half the device's threads: 16-528 rows up to 14% faster (16 x 2048
+#   1.32 -> 1.14, 528 x 4096 3.44 -> 3.33; with the residual at 528 rows 0.3-1.2%; 1024 x 1536 2.81 -> 2.83).
+#   A grid that fills the device once, every program resident from the start, runs 9-19% slower (2048 x 2048
+#   4.91 -> 5.60, 1024 x 4096 4.84 -> 5.61), and more rows move by -2% to +4%;
+# - several rows a program at small N: slower at every M (N = 128: 264-8192 rows 5-14%), left late.
 # The norm-add kernel holds two weights: at 64 elements a thread both loaded first take 219 registers
-# against 168 at N = 7,168, 2048 / 8192 rows 33.64 -> 35.61 / 118.94 -> 132.37 us; over few rows 12-15%
+# against 168 at N = 7,168, 2048 / 8192 rows 33.64 -> 35.61 / 118.94 -> 132.37 us; over few rows 9-22%
 # faster (528 x 7168 9.95 -> 8.73).
 EARLY_WEIGHT_ELEMENTS = 64
 EARLY_WEIGHT_SHARE = 0.5
