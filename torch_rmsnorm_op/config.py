@@ -367,8 +367,8 @@ def with_early_weight(cfg: KernelConfig, m: int | torch.SymInt, device: torch.de
     M; and with one row per program, where M is known and the grid's threads fill at most
     ``EARLY_WEIGHT_SHARE`` of the threads ``device`` holds at once (``thread_slots``, if given,
     stands for that count). A kernel that loads ``weights`` = 2 (the norm-add kernel) loads them
-    first at such wide tiles only in that last case, and cleared otherwise. The measurements are
-    beside ``EARLY_WEIGHT_ELEMENTS``."""
+    first at such wide tiles only in that last case; there ``early_weight`` is cleared otherwise.
+    The measurements are beside ``EARLY_WEIGHT_ELEMENTS``."""
     if cfg.split > 1 or cfg.looped:
         return cfg
     threads = cfg.num_warps * 32
