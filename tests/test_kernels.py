@@ -103,6 +103,9 @@ def test_forward_bits_do_not_depend_on_where_the_weight_is_loaded(device, kind):
         rstd, x_rstd = _poison((m,), torch.float32, device), _poison((m,), torch.float32, device)
         if kind == "norm-add":
             launch.forward_norm_add(plan, x, r, xw, w, EPS, EPS, y, h, rstd, x_rstd)
+            # The kernel's configuration, kept on the plan, follows a replaced cfg.
+            assert plan.norm_add_cfg.early_weight == early
+            assert dataclasses.replace(plan, cfg=KernelConfig(64, 2, 2)).norm_add_cfg is None
         else:
             launch.forward(plan, x, w, EPS, y, rstd, r if kind == "residual" else None, h if kind == "residual" else None)
         outs.append((y, h, rstd, x_rstd))

@@ -40,7 +40,9 @@ ROUND_CODES = {None: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 0}
 class Plan:
     """How the kernels run one call: the configuration, x's row layout, the sizes, and the
     options fixed at the call (``round_code``, ``weight_offset``, whether rstd is stored).
-    ``launcher`` is filled in by ``launch.py`` for eager forward plans it can replay."""
+    ``launcher`` is filled in by ``launch.py`` for eager forward plans it can replay, and
+    ``norm_add_cfg`` by ``launch.forward_norm_add`` (neither is carried by ``dataclasses.replace``
+    when it changes ``cfg``: ``norm_add_cfg`` is not an init field)."""
 
     cfg: KernelConfig
     layout: RowLayout
@@ -51,6 +53,7 @@ class Plan:
     store_rstd: bool = True
     launcher: object = field(default=None, compare=False)
     replay: tuple = field(default=(), compare=False)
+    norm_add_cfg: KernelConfig | None = field(default=None, init=False, compare=False)
 
 
 @functools.cache

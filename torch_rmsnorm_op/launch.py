@@ -189,7 +189,9 @@ def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor |
     ``x`` is addressed by ``plan.layout``; ``residual``, ``y`` and ``h`` have single-stride rows;
     the weights are contiguous [N] or None."""
     m, n, layout = plan.m, plan.n, plan.layout
-    cfg = _norm_add_config(plan.cfg, m, x.device)
+    cfg = plan.norm_add_cfg
+    if cfg is None:
+        cfg = plan.norm_add_cfg = _norm_add_config(plan.cfg, m, x.device)
     if m == 0:
         return
     ptrs = [x, residual, x if x_weight is None else x_weight, x if weight is None else weight, y, h,
