@@ -21,7 +21,7 @@ against the float64 reference; ``dweight_rel_err`` (backward): dweight's, over i
 element.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
-[--wdtype float32] [--inductor] [--table-only | --dw-columns]``; writes ``DIR/<tag>.json``.
+[--wdtype float32] [--inductor] [--rounds R] [--table-only | --dw-columns]``; writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
@@ -266,21 +266,31 @@ def precompile(jobs: list[tuple[Job, list[KernelConfig]]], workers: int) -> None
         list(pool.map(_precompile, *zip(*tasks)))
 
 
-def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: bool) -> dict:
+def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: bool, rounds: int = 1) -> dict:
+    """Time ``cfgs`` (the table's first) at ``job``. With ``rounds`` > 1 the candidates are timed
+    that many times, in turn, every other round in reverse order, and each keeps its median: a
+    kernel of a few microseconds timed first in a job ran up to 0.4 us slower than the same
+    kernel timed later."""
     table = cfgs[0]
     per_set = job.floor_bytes()
     sets = Sets(job, max(1, min(64, -(-ROTATE_BYTES // per_set))))
-    rows = []
+    checked = {}
     for cfg in cfgs:
         try:
             run_ours(job, cfg, sets.items[0])
-            err, dw_err = check(job, sets.items[0])
-            us = gpu_us(lambda i, cfg=cfg: run_ours(job, cfg, sets.items[i]), len(sets.items))
+            checked[cfg] = check(job, sets.items[0])
         except Exception as e:  # noqa: BLE001 - an unbuildable config is a data point
             print(f"  {cfg} failed: {repr(e)[:100]}", flush=True)
-            continue
+    times = {cfg: [] for cfg in checked}
+    for r in range(rounds):
+        for cfg in (list(times) if r % 2 == 0 else list(times)[::-1]):
+            times[cfg].append(gpu_us(lambda i, cfg=cfg: run_ours(job, cfg, sets.items[i]), len(sets.items)))
+    rows = []
+    for cfg, (err, dw_err) in checked.items():
+        us = statistics.median(times[cfg])
         rows.append(dict(us=us, pct=per_set / (us * 1e-6) / 1e9 / copy_gbs * 100, cfg=cfg.__dict__, max_err=err,
-                         table=cfg == table, **({} if dw_err is None else {"dweight_rel_err": dw_err})))
+                         table=cfg == table, **({} if dw_err is None else {"dweight_rel_err": dw_err}),
+                         **({"us_rounds": times[cfg]} if rounds > 1 else {})))
     rows.sort(key=lambda r: r["us"])
     out = dict(job=job.name, dtype=str(job.dtype), wdtype=str(job.wdtype), rows=rows)
     cur = next(r for r in rows if r["table"])
@@ -319,6 +329,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--wdtype", default="bfloat16")
     p.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the candidates this many times in turn (alternating order), median of each")
     p.add_argument("--table-only", action="store_true", help="only the table's configuration")
     p.add_argument("--dw-columns", action="store_true",
                    help="backward jobs: only the table's configuration with each dweight column width "
@@ -358,7 +370,7 @@ def main() -> None:
     if args.workers > 1:
         precompile(jobs, args.workers)
     for job, cfgs in jobs:
-        results["jobs"].append(tune(job, cfgs, copy_gbs, args.inductor))
+        results["jobs"].append(tune(job, cfgs, copy_gbs, args.inductor, args.rounds))
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
         with open(os.path.join(args.out, args.tag + ".json"), "w") as f:

@@ -48,10 +48,11 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
 def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
     """``profiling/tune.py --dry-run`` runs each job's table configuration and candidates on CPU
     through the interpreter, checks each against the float64 reference (a backward's dx and
-    dweight) and writes the JSON; a backward job here sums its dy from several terms (``:3``)."""
+    dweight) and writes the JSON, each candidate timed in two rounds; a backward job here sums
+    its dy from several terms (``:3``)."""
     jobs = ["fwd:16:256", "add_bwd:16:256:3"]
     out = subprocess.run([sys.executable, "profiling/tune.py", "--dry-run", "--jobs", ",".join(jobs), "--dtype",
-                          "float32", "--wdtype", "float32", "--out", str(tmp_path), "--tag", "dry"],
+                          "float32", "--wdtype", "float32", "--rounds", "2", "--out", str(tmp_path), "--tag", "dry"],
                          capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env=dict(os.environ, TRITON_INTERPRET="1"))  # CPU tensors, on a CUDA machine too
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -63,7 +64,7 @@ def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
         assert job["dtype"] == "torch.float32" and len(job["rows"]) > 1, job
         assert sum(row["table"] for row in job["rows"]) == 1, job
         for row in job["rows"]:
-            assert {"us", "pct", "cfg", "max_err", "table"} <= set(row), row
+            assert {"us", "pct", "cfg", "max_err", "table"} <= set(row) and len(row["us_rounds"]) == 2, row
             assert row["max_err"] < TOL[torch.float32]["atol"], row
             if job["job"].startswith(("bwd", "add_bwd")):
                 assert row["dweight_rel_err"] < 1e-5, row

@@ -94,6 +94,13 @@ def test_forward_rungs_for_few_rows():
     for n in (2049, 3584, 4095):
         assert shape(forward_config(n, bf16, m=1024)) == (False, 4096, 1, 8)
         assert shape(forward_config(n, bf16, m=1025)) == shape(forward_config(n, bf16)) == (False, 4096, 1, 2)
+    for residual in (False, True):  # N = 8,192: single-pass, then looped in steps of 2,048, then of 4,096
+        assert shape(forward_config(8192, bf16, residual, 528)) == (False, 8192, 1, 8)
+        assert forward_config(8192, bf16, residual, 528).mask_free
+        assert forward_config(8192, bf16, residual, 1025) == forward_config(8192, bf16, residual)
+        assert shape(forward_config(8192, bf16, residual)) == (True, 4096, 1, 16)
+    assert shape(forward_config(8192, bf16, m=529)) == shape(forward_config(8192, bf16, m=1024)) == (True, 2048, 1, 8)
+    assert forward_config(8192, bf16, True, 529) == forward_config(8192, bf16, True)  # without a residual only
     assert shape(forward_config(5120, bf16, m=1024)) == (False, 8192, 1, 4)
     assert shape(forward_config(5120, bf16, m=1025)) == (True, 1024, 1, 4)
     assert shape(forward_config(5120, bf16, m=2048)) == (True, 1024, 1, 4)
@@ -105,10 +112,23 @@ def test_forward_rungs_for_few_rows():
     fp32 = torch.float32
     for n in (2048, 4096, 5120):
         assert forward_config(n, fp32, m=16) == forward_config(n, fp32)
-        # A weight wider than x takes the rungs for many rows; as wide or narrower, the few-rows ones.
-        assert forward_config(n, bf16, m=16, weight_dtype=fp32) == forward_config(n, bf16)
+        # A weight as wide as x or narrower takes the few-rows rungs.
         assert forward_config(n, bf16, m=16, weight_dtype=bf16) == forward_config(n, bf16, m=16)
         assert forward_config(n, fp32, m=16, weight_dtype=bf16) == forward_config(n, fp32)
+        # A wider one over 2-byte rows its own up to 2,048 rows at N <= 4,096: 2 rows x 4 warps.
+        for residual in (False, True):
+            wide = forward_config(n, bf16, residual, 2048, weight_dtype=fp32)
+            if n <= 4096:
+                assert shape(wide) == (False, n, 2, 4) and wide.mask_free, wide
+                assert forward_config(n, bf16, residual, 16, weight_dtype=fp32) == wide
+            else:
+                assert wide == forward_config(n, bf16, residual)
+            # More rows, or a symbolic M: the rungs for many rows.
+            assert forward_config(n, bf16, residual, 2049, weight_dtype=fp32) == forward_config(n, bf16, residual)
+            assert forward_config(n, bf16, residual, weight_dtype=fp32) == forward_config(n, bf16, residual)
+        assert forward_config(n, fp32, m=16, weight_dtype=torch.float64) == forward_config(n, fp32)
+    assert shape(forward_config(1536, bf16, m=528, weight_dtype=fp32)) == (False, 2048, 2, 4)
+    assert forward_config(1024, bf16, m=16, weight_dtype=fp32) == forward_config(1024, bf16)
 
 
 def test_the_forward_loads_its_weight_first_where_that_was_measured_faster():
@@ -187,10 +207,11 @@ def test_backward_dweight_from_column_programs_over_few_rows():
     assert split.split > 1 and split.dw_columns == 0
 
 
-def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows(device):
+def test_a_symbolic_row_count_takes_the_rungs_for_many_rows_and_a_wider_weight_its_own(device):
     """``dispatch.forward_plan`` passes M to the table only where it is an int: a graph traced
     with a dynamic batch gets the launch tuned at many rows, one graph for every M; and it
-    passes the weight's dtype: an fp32 weight over bf16 rows gets that launch too."""
+    passes the weight's dtype: an fp32 weight over bf16 rows gets its own rungs for few rows
+    (``FWD_LADDER_WIDE_WEIGHT``), and above them the launch tuned at many rows."""
     from torch._subclasses import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
@@ -199,7 +220,10 @@ def test_a_symbolic_row_count_or_a_wider_weight_takes_the_rungs_for_many_rows(de
     bf16 = torch.bfloat16
     x, w = torch.empty(2048, 2048, dtype=bf16, device=device), torch.ones(2048, dtype=bf16, device=device)
     assert dispatch.forward_plan(x, w).cfg == forward_config(2048, bf16, m=2048)
-    assert dispatch.forward_plan(x, w.float()).cfg == forward_config(2048, bf16)
+    assert dispatch.forward_plan(x, w.float()).cfg == forward_config(2048, bf16, m=2048, weight_dtype=torch.float32)
+    assert dispatch.forward_plan(x, w.float()).cfg.rows == 2
+    x_many = torch.empty(2049, 2048, dtype=bf16, device=device)
+    assert dispatch.forward_plan(x_many, w.float()).cfg == forward_config(2048, bf16)
     mode = FakeTensorMode(shape_env=ShapeEnv())
     context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
     x = mode.from_tensor(x, symbolic_context=context)

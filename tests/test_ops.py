@@ -690,38 +690,37 @@ def test_dweight_bits_do_not_depend_on_which_group_finishes_first(monkeypatch, m
     torch.testing.assert_close(first.double(), want, **DWEIGHT[torch.bfloat16])
 
 
-@pytest.mark.parametrize("splits", [1, 3, 7])
-def test_dweight_reduction_stages(device, splits):
-    """The dweight reduction, one stage or two (a ragged last split, columns past a tile):
-    every partial row counted once, and the same bits on a second run."""
-    from torch_rmsnorm_op.config import REDUCE_BLOCK_P
-
-    # More rows than a tile's (in every stage with splits 1 and 3); N past a whole number of
-    # tiles of any width the tiles take (32 to 4096 columns).
-    p, n = 2 * REDUCE_BLOCK_P + 5, 131
+@pytest.mark.parametrize("n", [37, 131])
+@pytest.mark.parametrize("p", [5, 64, 65, 261])
+def test_dweight_reduction(device, p, n):
+    """The dweight reduction over few partial rows (one step) and many (tiles of rows in turn, a
+    ragged last one), N past a whole number of tiles of any width they take (8 to 4096 columns;
+    on the interpreter's 4 multiprocessors 37 columns take the narrow tiles of many rows, 131
+    the wide ones): every partial row counted once, and the same bits on a second run."""
     partial = torch.randn(p, n, device=device)
     outs = []
     for _ in range(2):
-        mid = torch.full((splits, n), float("nan"), device=device)
         dw = torch.full((n,), float("nan"), device=device, dtype=torch.bfloat16)
-        launch.reduce_dweight(partial, dw, mid)
+        launch.reduce_dweight(partial, dw)
         outs.append(dw)
     torch.testing.assert_close(outs[0].double(), partial.double().sum(0), **BF16_ONE_ROUNDING)
     assert torch.equal(outs[0], outs[1])
 
 
-def test_reduce_splits_cover_every_partial_row():
-    from torch_rmsnorm_op.config import REDUCE_BLOCK_P, REDUCE_TILE, cdiv, reduce_splits, reduce_tile
+def test_reduce_tile_sizes_the_tile_to_the_partial_rows_and_the_grid():
+    from torch_rmsnorm_op.config import REDUCE_BLOCK_P, REDUCE_COLUMNS, REDUCE_TILE, REDUCE_TILE_MANY, cdiv, reduce_tile
 
-    for p in (1, 2, 31, 33, 100, 528, 4096):
-        for n in (1, 256, 1024, 16384, 262144):
-            s = reduce_splits(p, n, torch.device("cpu"))
-            rows = cdiv(p, s)
-            assert 1 <= s <= p and (s - 1) * rows < p <= s * rows, (p, n, s)
-        # A stage of up to REDUCE_BLOCK_P rows sums them in one step, with no tile rows to spare
-        # past the next power of two; every tile is REDUCE_TILE elements.
-        block_p, block_n = reduce_tile(p)
-        assert block_p * block_n == REDUCE_TILE and min(p, REDUCE_BLOCK_P) <= block_p < 2 * p, (p, block_p)
+    cpu = torch.device("cpu")  # the interpreter's 4 multiprocessors
+    for p in (1, 2, 31, 33, 64, 65, 100, 528, 4096):
+        for n in (1, 37, 96, 256, 1024, 16384, 262144):
+            block_p, block_n = reduce_tile(p, n, cpu)
+            if p <= REDUCE_BLOCK_P // 2:
+                # Few rows: summed in one step, no tile rows to spare past the next power of
+                # two; tiles of REDUCE_TILE elements.
+                assert block_p * block_n == REDUCE_TILE and p <= block_p < 2 * p, (p, block_p)
+            else:  # many: tiles of REDUCE_TILE_MANY elements, wide where the grid stays full
+                assert block_p * block_n == REDUCE_TILE_MANY, (p, n, block_p, block_n)
+                assert block_n == REDUCE_COLUMNS[cdiv(n, REDUCE_COLUMNS[1]) >= 6], (n, block_n)
 
 
 def test_row_stride_past_2_to_the_31(device):

@@ -92,6 +92,14 @@ FWD_LADDER = (
     # without masks 92.9%, steps); N=5120 without a residual, before the looped rung: 4 warps 83.9%, 8 warps 84.2%
     # (sweep.json); with the residual 95.5% (steps); at N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
     (8191, 8192, 4, {}),
+    # Few rows of N=8192 (profiling/results/tuning/2026-12-04-h200-few-rows-wide/, 3 rounds unless marked):
+    # single-pass, 1 row x 8 warps without masks, at 16 / 256 rows 1.65 / 3.93 us against the looped rung's 1.94 /
+    # 4.20 (rounds.json), with the residual at 256 rows 5.69 against 6.07 (rounds-2.json); at 528 rows 6.02 against
+    # 6.10 (one round, few-rows-wide.json). Looped in steps of 2048 x 8 warps at 1024 rows, without a residual:
+    # 10.06 against 10.65 (Inductor 9.63; rounds-2.json); with one that loop took 20.50 against 18.37
+    # (few-rows-wide-2.json).
+    (8192, 8192, 8, dict(mask_free=True, max_m=528)),
+    (8192, 2048, 8, dict(looped=True, mask_free=True, plain=True, max_m=1024)),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
     # (inductor-best-configs.txt), 8192 97.4% (single-pass 2 rows x 4 warps 96.6%), 16384 96.7% (single-pass
     # 96.1%); 32768 at 8192 x 32 warps 93.9% (single-pass x 16 warps 90.5%). Without masks where N is a multiple
@@ -103,6 +111,18 @@ FWD_LADDER = (
     (32768, 8192, 32, dict(looped=True, mask_free=True)),
     # N=65536 and up: split mode (below): 80.6% at 65536 against the looped rung's 77.1% (do_bench,
     # fwd-split-vs-looped.json)
+)
+# A weight wider than x (an fp32 weight over bf16 rows, as autocast leaves a model's parameters), a known M up
+# to 2048 rows: 2 rows a program, which read the weight once for both, x 4 warps; elsewhere the rungs for many
+# rows (forward_config). By profiling/tune.py --wdtype float32 --rounds 3
+# (profiling/results/tuning/2026-12-04-h200-few-rows-wide/fp32-weight-rounds*.json), against the rungs for many
+# rows: 2048 x 1536 5.23 us against 6.32 (Inductor 5.22), 2048 x 4096 10.47 against 11.51 (10.42), 2048 x 3584
+# 9.83 (9.84), 528 x 2048 2.76 against 2 rows x 8 warps' 2.84 (2.73); 528 x 3584 4.25, where 2 rows x 8 warps
+# took 3.88 (Inductor 3.33) and at 2048 rows over 10.35 (one round, fp32-weight-rows-2.json).
+FWD_LADDER_WIDE_WEIGHT = (
+    (1024, 2048, 2, {}),  # FWD_LADDER's
+    (2048, 4096, 4, dict(mask_free=True, max_m=2048)),
+    (4096, 8192, 4, dict(mask_free=True, max_m=2048)),
 )
 # 4-byte dtypes (fp32): N <= 4096 by bench timing (fwd-near.json); above, the single-pass rungs first tuned
 # for bf16, which beat the looped form at N=32768 (do_bench: 85.8% at 16 warps, 87.8% at 32, looped 77.5%;
@@ -243,22 +263,29 @@ INTERPRETER_SM_COUNT = 4
 # saved 4.2-4.7 us of 222.6 (profiling/results/tuning/2026-12-01-h200-dweight-reduction/).
 MERGE_SCRATCH_BYTES = 6 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
-# dweight reduction tile (reduce_tile): a stage's partial rows per step, up to REDUCE_BLOCK_P,
-# times as many columns as keep the tile at REDUCE_TILE elements (16 KiB of fp32 per program).
-# Fixed (32 x 128) tiles left most of a tile's rows masked where a stage has few rows: 7.85 us
-# for 4 partial rows at N = 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows,
-# 2.40 us (profiling/results/benchmark/2026-11-30-h200-final18/).
+# dweight reduction (kernels/reduce.py): one launch, one program per column tile summing every partial
+# row, its tile's rows at a time, in one fixed order (reduce_tile). Many partial rows (more than
+# REDUCE_BLOCK_P / 2: one per row group of a grid that fills the device, 128-1056 on the H200) go in
+# tiles of REDUCE_TILE_MANY elements, 8 a thread: REDUCE_COLUMNS[1] columns wide where that still makes
+# REDUCE_WIDE_PROGRAMS_PER_SM programs an SM, else REDUCE_COLUMNS[0] (128 x 8, 64 x 16). Fewer rows go
+# in one step, in tiles as many columns wide as make REDUCE_TILE elements (16 KiB of fp32 a program):
+# fixed 32 x 128 tiles left most rows masked where there are few, 7.85 us for 4 partial rows at N =
+# 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows, 2.40 us
+# (profiling/results/benchmark/2026-11-30-h200-final18/).
+# Against the reduction before (REDUCE_TILE elements at every row count, 128 x 32, and two launches, a
+# first splitting the partial rows, where that left fewer programs than half the SMs: N < 2112), the
+# backward with its reduction, GPU time (profiling/results/tuning/2026-12-04-h200-dweight-reduce-tiles/
+# reduce-tiles.json; the reduction alone in brackets): rmsnorm.add_bwd 8192 x 2048 39.79 -> 38.20 us
+# (4.24 -> 2.62), 2048 x 2048 14.71 -> 13.11, 8192 x 1536 32.55 -> 30.96, 8192 x 4096 70.29 -> 69.84
+# (2.95 -> 2.47); rmsnorm.bwd 8192 x 128 6.59 -> 4.71 (3.14 -> 1.28), 131072 x 128 33.62 -> 32.02,
+# 524288 x 256 209.58 -> 208.10 (4.41 -> 2.91), 131072 x 1024 205.77 -> 205.23 (5.35 -> 5.13), the other
+# 256 MiB shapes within 0.4%. Other tiles at 8192 x 2048, the reduction alone: 256 x 8 2.71, 64 x 16
+# 3.07, 128 x 16 3.48 against 128 x 8's 2.62; at N = 3584 64 x 16 2.38 against 128 x 8's 2.60.
 REDUCE_TILE = 4096
 REDUCE_BLOCK_P = 128
-# Rows per split of a two-stage reduction's first stage, at least.
-REDUCE_SPLIT_ROWS = 32
-# The reduction runs one program per column tile. When one stage would have fewer programs
-# than half the SMs (N = 1024: 8 tiles of 128 columns, each summing a thousand partial rows), a
-# first stage splits the partial rows too, for about this many programs per SM (fixed splits,
-# so still one fixed order). From half the SMs up one stage wins: 264 partial rows at N = 4096,
-# 128 programs, 57.1 -> 55.9 us of backward at 8192 x 4096 (one stage cost 3.2% at 131072 x 1024,
-# 1056 rows in 32 tiles; profiling/results/tuning/2026-12-01-h200-dweight-reduction/).
-REDUCE_PROGRAMS_PER_SM = 2
+REDUCE_TILE_MANY = 1024
+REDUCE_COLUMNS = (8, 16)
+REDUCE_WIDE_PROGRAMS_PER_SM = 1.5
 
 
 def next_power_of_2(n: int) -> int:
@@ -386,6 +413,7 @@ def _row_bounds(*ladders: tuple) -> tuple[int, ...]:
 
 
 _FWD_ROW_BOUNDS = _row_bounds(FWD_LADDER, FWD_LADDER_FP32)
+_WIDE_WEIGHT_ROW_BOUNDS = _row_bounds(FWD_LADDER_WIDE_WEIGHT)
 _BWD_ROW_BOUNDS = tuple(sorted({*_row_bounds(BWD_LADDER, BWD_LADDER_FP32), BWD_DW_COLUMNS[0]}))
 
 
@@ -402,13 +430,21 @@ def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | 
     """Forward launch shape for rows of length ``n`` (``1 <= n <= MAX_N``) of ``dtype`` (the
     normalized sum's, with ``residual``: the forward that adds a residual first), over ``m``
     rows: where M is not an int (None, or symbolic while tracing) the rungs tuned at many rows
-    serve, as they do for a ``weight_dtype`` wider than ``dtype``: the few-rows rungs give
-    each program one row, which reads the whole weight once a row, and were tuned with a weight
-    as wide as x (at 2048 x 2048 bf16 with an fp32 weight, 1 row x 4 warps took 7.64 us against
-    the many-rows rung's 7.16; profiling/results/tuning/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
+    serve. A ``weight_dtype`` wider than ``dtype`` takes its own rungs for few rows
+    (``FWD_LADDER_WIDE_WEIGHT``), else the rungs for many rows: the few-rows rungs give each
+    program one row, which reads the whole weight once a row (at 2048 x 2048 bf16 with an fp32
+    weight, 1 row x 4 warps took 7.64 us against the many-rows rung's 7.16;
+    profiling/results/tuning/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
     if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
-        m = None
+        return _wide_weight_config(n, dtype, residual, _bound_rows(m, _WIDE_WEIGHT_ROW_BOUNDS))
     return _forward_config(n, dtype, residual, _bound_rows(m, _FWD_ROW_BOUNDS))
+
+
+@functools.cache
+def _wide_weight_config(n: int, dtype: torch.dtype, residual: bool, m: int | None) -> KernelConfig:
+    if dtype.itemsize == 2 and m is not None and n <= FWD_LADDER_WIDE_WEIGHT[-1][0]:
+        return _config(n, FWD_LADDER_WIDE_WEIGHT, FWD_SPLIT, residual, m)
+    return _forward_config(n, dtype, residual, None)
 
 
 @functools.cache
@@ -454,21 +490,15 @@ def sm_threads(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).max_threads_per_multi_processor
 
 
-def reduce_tile(rows: int) -> tuple[int, int]:
-    """``(BLOCK_P, BLOCK_N)`` of a dweight reduction stage that sums ``rows`` rows per column."""
+def reduce_tile(rows: int, n: int, device: torch.device) -> tuple[int, int]:
+    """``(BLOCK_P, BLOCK_N)`` of the dweight reduction that sums ``rows`` partial rows of ``n``
+    columns on ``device``."""
     block_p = min(REDUCE_BLOCK_P, next_power_of_2(rows))
-    return block_p, REDUCE_TILE // block_p
-
-
-def reduce_splits(partial_rows: int, n: int, device: torch.device) -> int:
-    """Row splits of the dweight reduction's first stage (1: a single stage). Every split
-    gets at least one partial row."""
-    sms = sm_count(device)
-    if 2 * cdiv(n, reduce_tile(partial_rows)[1]) >= sms:
-        return 1
-    want = cdiv(REDUCE_PROGRAMS_PER_SM * sms, cdiv(n, reduce_tile(REDUCE_SPLIT_ROWS)[1]))
-    splits = max(1, min(want, cdiv(partial_rows, REDUCE_SPLIT_ROWS)))
-    return cdiv(partial_rows, cdiv(partial_rows, splits))
+    if block_p < REDUCE_BLOCK_P:
+        return block_p, REDUCE_TILE // block_p
+    narrow, wide = REDUCE_COLUMNS
+    block_n = wide if cdiv(n, wide) >= REDUCE_WIDE_PROGRAMS_PER_SM * sm_count(device) else narrow
+    return REDUCE_TILE_MANY // block_n, block_n
 
 
 def row_groups(m: int, n: int, device: torch.device, cfg: KernelConfig) -> tuple[int, int]:

@@ -31,7 +31,6 @@ from torch_rmsnorm_op.config import (
     KernelConfig,
     cdiv,
     next_power_of_2,
-    reduce_splits,
     reduce_tile,
     row_groups,
     sm_count,
@@ -245,12 +244,9 @@ def merged_partials(groups, m, n: int, dtype: torch.dtype) -> bool:
 
 def backward_workspace(plan: Plan, dtype: torch.dtype, device: torch.device) -> Tensor:
     """Uninitialized fp32 scratch for the dweight partials of ``plan`` over x of ``dtype``:
-    [partial rows + reduce splits, N], one partial row per row group or per pair of them, then
-    the first reduce stage's rows when the reduction has two stages (``reduce_dweight`` reads
-    only the partials with one)."""
+    [partial rows, N], one partial row per row group or per pair of them."""
     rows, _ = _partials(plan, dtype, device)
-    splits = _reduce_splits(rows, plan.n, device) if rows else 1
-    return torch.empty((rows + (splits if splits > 1 else 0), plan.n), dtype=torch.float32, device=device)
+    return torch.empty((rows, plan.n), dtype=torch.float32, device=device)
 
 
 def _partials(plan: Plan, dtype: torch.dtype, device: torch.device) -> tuple[object, bool]:
@@ -261,35 +257,20 @@ def _partials(plan: Plan, dtype: torch.dtype, device: torch.device) -> tuple[obj
     return (cdiv(groups, 2) if merge else groups), merge
 
 
-def _reduce_splits(rows, n: int, device: torch.device) -> int:
-    # A symbolic number of partial rows is reduced in one stage.
-    return reduce_splits(rows, n, device) if type(rows) is int else 1
-
-
 @functools.cache
 def _reduce_consts(block_p: int, block_n: int) -> Mapping:
     return MappingProxyType(dict(BLOCK_P=block_p, BLOCK_N=block_n))
 
 
-def _reduce_stage(partial: Tensor, out: Tensor, splits: int, rows_bound: int, traced: bool, k) -> None:
-    """``out`` [splits, N] = sums of ``splits`` consecutive runs of the rows of ``partial`` [P, N]."""
-    p, n = partial.shape
-    rows = cdiv(p, splits)
-    consts = _reduce_consts(*reduce_tile(rows if type(rows) is int else rows_bound))
-    _launch(k._rms_norm_dw_reduce, (cdiv(n, consts["BLOCK_N"]), splits), [partial, out, p, n, rows], consts,
-            4, partial.device, traced)
-
-
-def reduce_dweight(partial: Tensor, dweight: Tensor, mid: Tensor | None = None, rows_bound: int = 1,
-                   traced: bool = False, kernels: ModuleType | None = None) -> None:
-    """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order: one
-    stage, or, given ``mid`` [splits, N] fp32, two (splits of the rows, then ``mid``'s rows).
-    ``rows_bound`` bounds P where P is symbolic (it sizes the reduction's tile)."""
+def reduce_dweight(partial: Tensor, dweight: Tensor, rows_bound: int = 1, traced: bool = False,
+                   kernels: ModuleType | None = None) -> None:
+    """``dweight`` [N] = the sum of the fp32 rows of ``partial`` [P, N], in a fixed order, one
+    launch. ``rows_bound`` bounds P where P is symbolic (it sizes the reduction's tile)."""
     k = kernels or _kernels()
-    if mid is not None and mid.shape[0] > 1:
-        _reduce_stage(partial, mid, mid.shape[0], rows_bound, traced, k)
-        partial = mid
-    _reduce_stage(partial, dweight, 1, rows_bound, traced, k)
+    p, n = partial.shape
+    consts = _reduce_consts(*reduce_tile(p if type(p) is int else rows_bound, n, partial.device))
+    _launch(k._rms_norm_dw_reduce, (cdiv(n, consts["BLOCK_N"]),), [partial, dweight, p, n], consts, 4,
+            partial.device, traced)
 
 
 def dweight_acc_rows(cfg: KernelConfig, elem_bytes: int) -> int:
@@ -356,7 +337,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     device = x.device
     groups, rows_per_group = row_groups(m, n, device, cfg)
     has_weight = weight is not None
-    partial = flags = mid = None
+    partial = flags = None
     merge = False
     direct = False
     columns = has_weight and cfg.dw_columns > 0
@@ -368,13 +349,9 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         if direct:
             partial = dweight
         elif workspace is not None:
-            partial, mid = workspace[:rows], workspace[rows:]
+            partial = workspace
         else:
-            splits = _reduce_splits(rows, n, device)
-            # Two tensors, not views of one: while tracing, a kernel writing into a view of a
-            # buffer that another kernel also writes makes the graph copy and re-allocate it.
             partial = torch.empty((rows, n), dtype=torch.float32, device=device)
-            mid = torch.empty((splits, n), dtype=torch.float32, device=device) if splits > 1 else None
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     placeholder = x  # pointers the kernel does not read under its constexprs
@@ -400,7 +377,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
                 device, traced)
     if has_weight and not direct:
         bound = max(1, cfg.programs_per_sm * sm_count(device) // cfg.split)
-        reduce_dweight(partial, dweight, mid, bound, traced, k)
+        reduce_dweight(partial, dweight, bound, traced, k)
 
 
 _KERNEL_NAMES = ("_rms_norm_fwd_rows", "_rms_norm_fwd_norm_add_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",
