@@ -269,7 +269,7 @@ def precompile(jobs: list[tuple[Job, list[KernelConfig]]], workers: int) -> None
 def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: bool, rounds: int = 1) -> dict:
     """Time ``cfgs`` (the table's first) at ``job``. With ``rounds`` > 1 the candidates are timed
     that many times, in turn, every other round in reverse order, and each keeps its median: a
-    kernel of a few microseconds timed first in a job ran up to 0.4 us slower than the same
+    kernel of a few microseconds timed first in a job ran up to 0.45 us slower than the same
     kernel timed later."""
     table = cfgs[0]
     per_set = job.floor_bytes()
