@@ -120,7 +120,7 @@ FWD_LADDER = (
 # 9.83 (9.84), 528 x 2048 2.76 against 2 rows x 8 warps' 2.84 (2.73); 528 x 3584 4.25, where 2 rows x 8 warps
 # took 3.88 (Inductor 3.33) and at 2048 rows over 10.35 (one round, fp32-weight-rows-2.json).
 FWD_LADDER_WIDE_WEIGHT = (
-    (1024, 2048, 2, {}),  # FWD_LADDER's
+    FWD_LADDER[0],  # N <= 1024: the same rung whatever the weight
     (2048, 4096, 4, dict(mask_free=True, max_m=2048)),
     (4096, 8192, 4, dict(mask_free=True, max_m=2048)),
 )
