@@ -554,24 +554,28 @@ def test_gradient_sums_move_into_the_backward_kernel(kernel):
         g.graph.lint()
 
 
-@pytest.mark.parametrize("block_n,terms,rows,acc_rows,want", [
-    (256, 2, 4, 4, (2, 2)),  # half the rows, the accumulator's with them where it has a row per tile row
-    (256, 3, 4, 1, (2, 1)),
-    (2048, 2, 2, 1, (2, 1)),  # config.BWD_SUMMED_ROWS: N=2048 keeps its 2 rows for 2 terms
-    (2048, 3, 2, 1, (1, 1)),  # and takes 1 for 3
-    (2048, 2, 1, 1, (1, 1)),  # never more than the launch's own (a small M's fewer rows)
+@pytest.mark.parametrize("block_n,terms,rows,acc_rows,stages,want", [
+    (256, 2, 4, 4, 2, (2, 2, 2)),  # half the rows, the accumulator's with them where it has a row per tile row
+    (256, 3, 4, 1, 2, (2, 1, 2)),  # and the launch's stages
+    (2048, 2, 2, 1, 1, (2, 1, 1)),  # config.BWD_SUMMED: N=2048 keeps its 2 rows for 2 terms
+    (2048, 3, 2, 1, 1, (1, 1, 2)),  # and takes 1, prefetched a row ahead, for 3
+    (4096, 2, 2, 1, 1, (2, 1, 1)),  # N=4096 likewise
+    (4096, 3, 2, 1, 1, (1, 1, 2)),
+    (8192, 2, 2, 1, 1, (1, 1, 1)),  # N=8192 halves
+    (2048, 2, 1, 1, 1, (1, 1, 1)),  # never more rows than the launch's own (a small M's fewer rows)
 ])
-def test_a_summing_launch_takes_fewer_rows_per_tile(block_n, terms, rows, acc_rows, want):
-    """``launch.summed_gradient_consts``: the rows kernel's tile takes the rows per tile
-    ``config.BWD_SUMMED_ROWS`` gives its BLOCK_N, else half its rows (registers for the terms)."""
+def test_a_summing_launch_takes_fewer_rows_per_tile(block_n, terms, rows, acc_rows, stages, want):
+    """``launch.summed_gradient_consts``: the rows kernel's tile takes the rows per tile and the
+    row loop the stages that ``config.BWD_SUMMED`` gives its BLOCK_N, else half its rows and its
+    own stages (registers for the terms)."""
     g = _BackwardGraph()
     dy = g.add(g.tensor("a"), g.tensor("b"))
     if terms == 3:
         dy = g.add(dy, g.tensor("c"))
-    launch = g.launch(dy, ROWS=rows, ACC_ROWS=acc_rows, BLOCK_N=block_n)
+    launch = g.launch(dy, ROWS=rows, ACC_ROWS=acc_rows, BLOCK_N=block_n, STAGES=stages)
     assert fusion.fuse_gradient_sums(g.graph) == 1
     kw = launch.kwargs["kwargs"]
-    assert (kw["DY_TERMS"], kw["ROWS"], kw["ACC_ROWS"]) == (terms, *want)
+    assert (kw["DY_TERMS"], kw["ROWS"], kw["ACC_ROWS"], kw["STAGES"]) == (terms, *want)
 
 
 def test_a_summing_launch_changes_constexprs_where_they_are():

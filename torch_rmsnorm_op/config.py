@@ -194,7 +194,7 @@ BWD_LADDER = (
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2, counted_loop=True)),
     # N=2048 (8192 rows): 2 rows x 8 warps, 4 programs per SM: 69.9%, with the residual's gradient 76.7% (4 rows,
     # 2 per SM, counted loop, the rung before: 70.1% / 77.0%; 8 rows, 1 per SM: 64.6% / 72.7%; candidates.json).
-    # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED_ROWS):
+    # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED):
     # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/tuning/2026-12-01-h200-summed-backward/).
     # 64 registers a thread (profiling/resource_usage.py): the 4 programs fit an SM's register file.
     (2048, 4096, 8, dict(programs_per_sm=4)),
@@ -207,13 +207,20 @@ BWD_LADDER = (
     # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
     (16384, 16384, 16, dict(counted_loop=True, reload=True)),
 )
-# Rows per tile of a 2-byte backward launch whose dy sums 2 or 3 gradient tensors
-# (fusion.fuse_gradient_sums; launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 terms), at most
-# the launch's own. Elsewhere such a launch halves its rows per tile, which leaves registers for the
-# terms' loads. N=2048 (8192 rows, with the residual's gradient): 2 rows (the rung's) 80.5% with 2 terms (1 row
-# 76.5%), 1 row 81.8% with 3 (2 rows below 79%;
-# profiling/results/tuning/2026-12-01-h200-summed-backward/candidates.json).
-BWD_SUMMED_ROWS = {2048: (2, 1)}
+# A 2-byte backward launch whose dy sums 2 or 3 gradient tensors (fusion.fuse_gradient_sums;
+# launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 terms), each (rows per tile, at most the
+# launch's own; the row loop's stages). Elsewhere such a launch halves its rows per tile, which leaves
+# registers for the terms' loads, and keeps its stages. The grid, and so the dweight partials, stay the
+# launch's. GPU time at 8192 rows with the residual's gradient, by profiling/tune.py --rounds 3
+# (profiling/results/tuning/2026-12-04-h200-summed-backward-stages/):
+# - N=2048: 2 rows (the rung's) 80.5% with 2 terms (1 row 76.5%; profiling/results/tuning/
+#   2026-12-01-h200-summed-backward/candidates.json); with 3, 1 row prefetched a row ahead (stages 2):
+#   55.39 -> 53.93 us, and at N = 1,536 45.37 -> 42.67;
+# - N=4096: 2 rows (the rung's) with 2 terms, 95.07 -> 85.56 us (N = 3,584 86.88 -> 76.82) against 1 row;
+#   with 3, 1 row at stages 2: 109.27 -> 104.20 (3,584: 99.64 -> 92.71).
+# N=8192's rung (2 rows x 16 warps, 1 program per SM) keeps the halving: what beats it takes 4 warps and
+# 2 programs per SM (N = 5,120 with 2 terms 142.37 -> 131.53 us), a grid that the terms do not pick.
+BWD_SUMMED = {2048: ((2, 1), (1, 2)), 4096: ((2, 1), (1, 2))}
 # The same for 4-byte dtypes (fp32), where the bf16 rungs are not the best (do_bench unless marked).
 BWD_LADDER_FP32 = (
     (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%; bwd-near.json)

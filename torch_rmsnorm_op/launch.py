@@ -24,7 +24,7 @@ from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat, _triton_compat
 from torch_rmsnorm_op.config import (
-    BWD_SUMMED_ROWS,
+    BWD_SUMMED,
     DW_COLUMN_TILE,
     MERGE_SCRATCH_BYTES,
     MERGE_SCRATCH_SHARE,
@@ -305,17 +305,21 @@ def dweight_column_rows(cfg: KernelConfig, m: int) -> int:
 def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict:
     """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
     gradient tensors of ``elem_bytes`` bytes: ``DY_TERMS``, and for the rows kernel the rows per
-    tile, which leave registers for the terms' loads (``config.BWD_SUMMED_ROWS``; elsewhere half
-    the rows, at least 1). The grid, the rows per group and the dweight partials of the launch
-    stay as they are (the row loop masks a tile that crosses its group's end)."""
+    tile and the row loop's stages (``config.BWD_SUMMED``; elsewhere half the rows, at least 1),
+    which leave registers for the terms' loads. The grid, the rows per group and the dweight
+    partials of the launch stay as they are (the row loop masks a tile that crosses its group's
+    end)."""
     out = {"DY_TERMS": terms}
     if "ROWS" in consts and consts["ROWS"] > 1:
-        table = BWD_SUMMED_ROWS.get(consts["BLOCK_N"]) if elem_bytes == 2 else None
-        rows = min(consts["ROWS"], table[terms - 2]) if table else consts["ROWS"] // 2
+        table = BWD_SUMMED.get(consts["BLOCK_N"]) if elem_bytes == 2 else None
+        rows, stages = table[terms - 2] if table else (consts["ROWS"] // 2, consts["STAGES"])
+        rows = min(consts["ROWS"], rows)
         if rows != consts["ROWS"]:
             out["ROWS"] = rows
             if consts["ACC_ROWS"] == consts["ROWS"]:
                 out["ACC_ROWS"] = rows
+        if stages != consts["STAGES"]:
+            out["STAGES"] = stages
     return out
 
 
