@@ -10,8 +10,8 @@ enough sets that none is read from L2. Candidates compile in parallel worker pro
 
 Passes: ``fwd`` and ``bwd`` (the backward alone), ``add_fwd`` / ``add_bwd`` (with the residual
 add fused). A backward job may name the gradient terms its launch sums (``bwd:M:N:3``, 1 to 3,
-as ``fusion.fuse_gradient_sums`` hands them to the kernel; the launch then takes fewer rows
-per tile than the candidate's, ``launch.summed_gradient_consts``). ``pct`` is the byte floor (fwd:
+as ``fusion.fuse_gradient_sums`` hands them to the kernel; the launch then takes the rows per
+tile and row-loop stages ``launch.summed_gradient_consts`` gives, not the candidate's). ``pct`` is the byte floor (fwd:
 read x, write y; add_fwd: read x and the residual, write y and the sum; bwd: read x and dy, each
 term of dy, write dx; add_bwd: also read the sum's gradient) over the time, against the copy
 ceiling measured in the same run. ``copy_pct``: a ``copy_`` of the
