@@ -16,6 +16,7 @@ from checks import compiling_afresh
 from tolerances import MODEL, few_roundings
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
+from torch.utils import _pytree as pytree
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import dispatch, fusion
@@ -649,6 +650,139 @@ def test_gradient_fusion_switch(monkeypatch):
     g.launch(g.add(g.tensor("a"), g.tensor("b")))
     fusion.fusion_pass_class()("post_grad")(g.graph)  # off by the environment: nothing moves
     assert len(_adds(g.graph)) == 1
+
+
+# --- unread rstd, on forward graphs as AOTAutograd records CUDA launches ----------------------
+
+
+def _forward_launch(g, kernel="_rms_norm_fwd_rows", read=(), constants=None):
+    """A functional launch of forward ``kernel`` in ``g`` (a ``_BackwardGraph``) writing y, the
+    residual sum and its rstd outputs into fresh buffers, with ``STORE_RSTD`` in its arguments
+    (or in ``constants``, the side table); the graph returns y and the outputs named in ``read``.
+    Returns the launch and its rstd buffers."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from torch_rmsnorm_op import _torch_compat, kernels
+
+    outputs = fusion._RSTD_OUTPUTS[kernel]
+    x, r = g.tensor("x"), g.tensor("r")
+
+    def empty(shape, dtype):
+        node = g.graph.call_function(torch.ops.aten.empty.memory_format, (shape,), {"dtype": dtype})
+        with g.mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype)
+        return node
+
+    y, h = empty([4, 8], torch.bfloat16), empty([4, 8], torch.bfloat16)
+    buffers = {name: empty([4], torch.float32) for name in outputs}
+    kwargs = {"X": x, "R": r, "Y": y, "H": h, **buffers}
+    if constants is None:
+        kwargs["STORE_RSTD"] = True
+    node = g.graph.call_function(_torch_compat.triton_kernel_wrapper_functional(), (), dict(
+        kernel_idx=kernel_side_table.add_kernel(getattr(kernels, kernel)),
+        constant_args_idx=kernel_side_table.add_constant_args(constants or {}), grid=[(1, 1, 1)],
+        tma_descriptor_metadata={}, kwargs=kwargs, tensors_to_clone=["Y", "H", *outputs]))
+    node.meta["eager_input_vals"] = ((), torch.fx.node.map_aggregate(  # as make_fx records them
+        node.kwargs, lambda v: v.meta["val"] if isinstance(v, torch.fx.Node) else v))
+    results = [g.graph.call_function(operator.getitem, (node, name)) for name in ("Y", "H", *outputs)]
+    g.graph.output((results[0], *(results[2 + outputs.index(name)] for name in read)))
+    return node, list(buffers.values())
+
+
+def _stores_rstd(launch) -> bool:
+    from torch_rmsnorm_op import _torch_compat
+
+    return {**_torch_compat.constant_args(launch.kwargs["constant_args_idx"]), **launch.kwargs["kwargs"]}["STORE_RSTD"]
+
+
+@pytest.mark.parametrize("kernel", ["_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",
+                                    "_rms_norm_fwd_norm_add_rows"])
+@pytest.mark.parametrize("where", ["kwargs", "side table"])
+def test_a_forward_whose_rstd_nothing_reads_does_not_store_it(kernel, where):
+    """An inference graph's forward launch: ``STORE_RSTD`` turns off where the launch holds it,
+    x stands in for the rstd pointers, the launch clones no rstd, and the rstd buffers and their
+    unread results leave the graph."""
+    g = _BackwardGraph()
+    launch, buffers = _forward_launch(g, kernel, constants={"STORE_RSTD": True} if where == "side table" else None)
+    assert fusion.drop_unread_rstd(g.graph) == 1
+    kw = launch.kwargs["kwargs"]
+    assert not _stores_rstd(launch)
+    assert ("STORE_RSTD" in kw) == (where == "kwargs")
+    assert all(kw[name] is kw["X"] for name in fusion._RSTD_OUTPUTS[kernel])
+    assert launch.kwargs["tensors_to_clone"] == ["Y", "H"]
+    _, eager = launch.meta["eager_input_vals"]  # the values Inductor gives the buffers' strides from
+    assert pytree.tree_structure(eager) == pytree.tree_structure(launch.kwargs)
+    assert eager["tensors_to_clone"] == ["Y", "H"] and eager["constant_args_idx"] == launch.kwargs["constant_args_idx"]
+    assert all(eager["kwargs"][name] is kw["X"].meta["val"] for name in fusion._RSTD_OUTPUTS[kernel])
+    assert ("STORE_RSTD" in eager["kwargs"]) == (where == "kwargs") and not eager["kwargs"].get("STORE_RSTD")
+    assert all(b not in g.graph.nodes for b in buffers)
+    assert sorted(u.args[1] for u in launch.users) == ["H", "Y"]
+    g.graph.lint()
+    assert fusion.drop_unread_rstd(g.graph) == 0  # nothing more to drop
+
+
+@pytest.mark.parametrize("kernel,read", [("_rms_norm_fwd_rows", ("RSTD",)),
+                                         ("_rms_norm_fwd_norm_add_rows", ("X_RSTD",)),
+                                         ("_rms_norm_fwd_norm_add_rows", ("RSTD",))])
+def test_a_forward_whose_rstd_is_read_keeps_it(kernel, read):
+    """A training forward (the graph returns rstd, saved for the backward): the launch keeps
+    every rstd store, its buffers and its clones; so does one of the norm-add kernel whose either
+    rstd is read."""
+    g = _BackwardGraph()
+    launch, buffers = _forward_launch(g, kernel, read=read)
+    before = dict(launch.kwargs)
+    assert fusion.drop_unread_rstd(g.graph) == 0
+    assert launch.kwargs == before and _stores_rstd(launch)
+    assert all(b in g.graph.nodes for b in buffers)
+
+
+def test_unread_rstd_leaves_other_launches_alone():
+    """A backward launch, and a forward launch whose stores are already off, stay as they are."""
+    g = _BackwardGraph()
+    launch = g.launch(g.tensor("dy"))
+    before = dict(launch.kwargs)
+    assert fusion.drop_unread_rstd(g.graph) == 0 and launch.kwargs == before
+    g = _BackwardGraph()
+    launch, buffers = _forward_launch(g, constants={"STORE_RSTD": False})
+    assert fusion.drop_unread_rstd(g.graph) == 0 and all(b in g.graph.nodes for b in buffers)
+
+
+def test_the_post_grad_pass_drops_unread_rstd_with_gradient_fusion_off():
+    """``rewrite_post_grad`` drops unread rstd whatever the gradient-sum switch says."""
+    fusion.set_gradient_fusion(False)
+    try:
+        g = _BackwardGraph()
+        launch, _ = _forward_launch(g)
+        fusion.fusion_pass_class()("post_grad")(g.graph)
+        assert not _stores_rstd(launch)
+    finally:
+        fusion.set_gradient_fusion(None)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("residual", [False, True])
+def test_cuda_compiled_inference_allocates_no_rstd(residual):
+    """Compiled with Inductor on CUDA without grad, a norm (and a norm with its residual add)
+    allocates its outputs only: no rstd buffer in the output code, y (and the sum) the bits of
+    the eager call; compiled for training, the forward still saves rstd."""
+    x, r = (torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
+
+    def f(x, r, w):
+        return T.add_rms_norm(x, r, (2048,), w, 1e-6) if residual else (T.rms_norm(x, (2048,), w, 1e-6),)
+
+    with torch.no_grad(), T.fallback_policy("error"):
+        out, code = _code(torch.compile(f, fullgraph=True), x, r, w)
+        want = f(x, r, w)
+    assert code.count("empty_strided_cuda((16, 2048)") == len(want), code
+    assert "empty_strided_cuda((16, )" not in code, code
+    for a, b in zip(out, want):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()
+    w.requires_grad_(True)
+    with T.fallback_policy("error"):
+        out, code = _code(torch.compile(f, fullgraph=True), x, r, w)
+    FileCheck().check("empty_strided_cuda((16, ), (1, ), torch.float32)").run(code)
 
 
 @pytest.mark.cuda

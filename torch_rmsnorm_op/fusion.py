@@ -94,6 +94,10 @@ same-strides terms are taken. The pass runs as Inductor's ``post_grad_custom_pos
 the backward graph AOTAutograd has partitioned. Turn it off with ``set_gradient_fusion(False)``
 or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 
+The same post-grad pass turns off the rstd stores of forward launches whose rstd nothing reads
+(inference graphs) and drops their rstd buffers (``drop_unread_rstd``); it changes no value the
+graph reads, and has no switch.
+
 The passes are ``CustomGraphPass`` objects (one per stage) with a ``uuid()`` (compiled graphs stay
 cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or ``install()``, chained with any
 pass already set; a setting acts on graphs compiled after it. ``aot_eager`` and other backends
@@ -110,6 +114,7 @@ import pathlib
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from torch_rmsnorm_op.fallback import log
 
@@ -505,17 +510,95 @@ def rewrite_pre_grad(graph: Graph) -> int:
 
 _BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_split")
 _DY_KEYS = ("DY", "DY2", "DY3")
+# forward kernel: the rstd outputs it writes under STORE_RSTD
+_RSTD_OUTPUTS = {"_rms_norm_fwd_rows": ("RSTD",), "_rms_norm_fwd_looped": ("RSTD",),
+                 "_rms_norm_fwd_split": ("RSTD",), "_rms_norm_fwd_norm_add_rows": ("RSTD", "X_RSTD")}
 
 
-def _backward_launch(node: Node) -> bool:
-    """Whether ``node`` launches one of our backward kernels (a functional Triton kernel wrapper,
-    as AOTAutograd records the launches on CUDA)."""
+def _launched_kernel(node: Node) -> str | None:
+    """The name of the kernel ``node`` launches, where it is a functional Triton kernel wrapper
+    (as AOTAutograd records the launches on CUDA); else None."""
     from torch_rmsnorm_op import _torch_compat
 
     if node.op != "call_function" or node.target is not _torch_compat.triton_kernel_wrapper_functional():
-        return False
+        return None
     kernel = _torch_compat.traced_triton_kernel(node.kwargs["kernel_idx"])
-    return getattr(getattr(kernel, "fn", None), "__name__", None) in _BACKWARD_KERNELS
+    return getattr(getattr(kernel, "fn", None), "__name__", None)
+
+
+def _backward_launch(node: Node) -> bool:
+    """Whether ``node`` launches one of our backward kernels."""
+    return _launched_kernel(node) in _BACKWARD_KERNELS
+
+
+def _set_launch(node: Node, **changes) -> None:
+    """Set the launch ``node``'s arguments (``kwargs``, ``constant_args_idx``,
+    ``tensors_to_clone``) to ``changes``, and the values Inductor keeps of them
+    (``eager_input_vals``, whose strides it gives each buffer of the launch) with them: a tensor
+    argument takes the value it had in the launch, else its node's."""
+    before = dict(node.kwargs["kwargs"])
+    node.kwargs = dict(node.kwargs, **changes)
+    if "eager_input_vals" not in node.meta:
+        return
+    args, eager = node.meta["eager_input_vals"]
+    had = {id(value): eager["kwargs"].get(key) for key, value in before.items() if isinstance(value, Node)}
+    values = {key: (had.get(id(value), value.meta.get("val")) if isinstance(value, Node) else value)
+              for key, value in node.kwargs["kwargs"].items()}
+    eager = {**eager, **changes, "kwargs": immutable_dict(values)}
+    if "tensors_to_clone" in changes:
+        eager["tensors_to_clone"] = immutable_list(changes["tensors_to_clone"])
+    # the graph's own containers: Inductor flattens these values against the launch's arguments
+    node.meta["eager_input_vals"] = (args, immutable_dict(eager))
+
+
+def _with_constexprs(node: Node, kwargs: dict, changes: dict, **more) -> None:
+    """Give the launch ``node`` the arguments ``kwargs`` with the constexprs ``changes``, each set
+    where the launch holds it: in its graph arguments where it is a plain value, else in the
+    kernel side table; and ``more`` (``_set_launch``)."""
+    from torch_rmsnorm_op import _torch_compat
+
+    idx = node.kwargs["constant_args_idx"]
+    constants = _torch_compat.constant_args(idx)
+    kwargs = {**kwargs, **{k: v for k, v in changes.items() if k not in constants}}
+    moved = {k: v for k, v in changes.items() if k in constants}
+    if moved:
+        idx = _torch_compat.with_constant_args(idx, **moved)
+    _set_launch(node, kwargs=kwargs, constant_args_idx=idx, **more)
+
+
+def drop_unread_rstd(graph: Graph) -> int:
+    """Turn off the rstd stores of our forward launches in ``graph`` whose rstd nothing reads (an
+    inference graph, or a forward whose backward does not save it), and drop their rstd
+    buffers; returns how many launches changed. The launch then writes y (and the residual sum)
+    only, as an eager call without grad does, and the compiled call allocates one buffer less.
+    Every output the graph reads stays the same bits."""
+    from torch_rmsnorm_op import _torch_compat
+
+    count = 0
+    for node in list(graph.nodes):
+        outputs = _RSTD_OUTPUTS.get(_launched_kernel(node))
+        if outputs is None:
+            continue
+        kwargs = dict(node.kwargs["kwargs"])
+        constexprs = {**_torch_compat.constant_args(node.kwargs["constant_args_idx"]), **kwargs}
+        if not constexprs.get("STORE_RSTD") or any(user.target is not operator.getitem for user in node.users):
+            continue
+        if any(user.args[1] in outputs and user.users for user in node.users):
+            continue
+        for user in [u for u in node.users if u.args[1] in outputs]:
+            graph.erase_node(user)
+        buffers = [kwargs[key] for key in outputs]
+        kwargs.update(dict.fromkeys(outputs, kwargs["X"]))  # X stands in, as in an eager call
+        _with_constexprs(node, kwargs, {"STORE_RSTD": False},
+                         tensors_to_clone=[name for name in node.kwargs["tensors_to_clone"] if name not in outputs])
+        for buffer in buffers:
+            if isinstance(buffer, Node) and not buffer.users and buffer.op == "call_function":
+                graph.erase_node(buffer)
+        count += 1
+    if count:
+        graph.lint()
+        log.debug("dropped the unread rstd of %d rmsnorm forward launch(es)", count)
+    return count
 
 
 def _plain_add(node: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
@@ -563,9 +646,7 @@ def fuse_gradient_sums(graph: Graph) -> int:
             continue
         kwargs = dict(node.kwargs["kwargs"])
         # Constexprs are graph arguments where they are plain values, else in the side table.
-        idx = node.kwargs["constant_args_idx"]
-        constants = _torch_compat.constant_args(idx)
-        constexprs = {**constants, **kwargs}
+        constexprs = {**_torch_compat.constant_args(node.kwargs["constant_args_idx"]), **kwargs}
         dy = kwargs.get("DY")
         if constexprs.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
             continue
@@ -575,12 +656,7 @@ def fuse_gradient_sums(graph: Graph) -> int:
         if terms is None:
             continue
         kwargs.update(zip(_DY_KEYS, (*terms, terms[0])[:3]))
-        changes = summed_gradient_consts(constexprs, len(terms), _value(dy).dtype.itemsize)
-        kwargs.update({k: v for k, v in changes.items() if k not in constants})
-        moved = {k: v for k, v in changes.items() if k in constants}
-        if moved:
-            idx = _torch_compat.with_constant_args(idx, **moved)
-        node.kwargs = dict(node.kwargs, kwargs=kwargs, constant_args_idx=idx)
+        _with_constexprs(node, kwargs, summed_gradient_consts(constexprs, len(terms), _value(dy).dtype.itemsize))
         inner = [a for a in dy.args if isinstance(a, Node) and a not in terms]
         graph.erase_node(dy)
         for add in inner:
@@ -602,9 +678,16 @@ def _post_grad_settings() -> tuple[bool, ...]:
     return (gradient_fusion_enabled(),)
 
 
-# stage: (Inductor's option, the rewrite's name in this module, the settings of its rewrites)
-_STAGES = {"pre_grad": ("pre_grad_custom_pass", "rewrite_pre_grad", _pre_grad_settings),
-           "post_grad": ("post_grad_custom_post_pass", "fuse_gradient_sums", _post_grad_settings)}
+def rewrite_post_grad(graph: Graph) -> int:
+    """The post-grad stage: ``drop_unread_rstd``, then ``fuse_gradient_sums`` where that rewrite
+    is on; returns how many launches changed."""
+    return drop_unread_rstd(graph) + (fuse_gradient_sums(graph) if gradient_fusion_enabled() else 0)
+
+
+# stage: (Inductor's option, the rewrite's name in this module, the settings of its switchable
+# rewrites, whether it runs with them all off)
+_STAGES = {"pre_grad": ("pre_grad_custom_pass", "rewrite_pre_grad", _pre_grad_settings, False),
+           "post_grad": ("post_grad_custom_post_pass", "rewrite_post_grad", _post_grad_settings, True)}
 
 
 @functools.cache
@@ -616,7 +699,7 @@ def fusion_pass_class() -> type:
     class FusionPass(CustomGraphPass):
         """One stage's rewrites: at ``"pre_grad"`` (Inductor's ``pre_grad_custom_pass``)
         ``rewrite_pre_grad``, at ``"post_grad"`` (``post_grad_custom_post_pass``)
-        ``fuse_gradient_sums``, where they are on; then the pass that was installed before it
+        ``rewrite_post_grad``, where they are on; then the pass that was installed before it
         (if any)."""
 
         def __init__(self, stage: str, then=None) -> None:
@@ -628,8 +711,8 @@ def fusion_pass_class() -> type:
             return tuple(p for p in then if p is not None)
 
         def __call__(self, graph: Graph) -> None:
-            _, rewrite, settings = _STAGES[self.stage]
-            if any(settings()):
+            _, rewrite, settings, always = _STAGES[self.stage]
+            if always or any(settings()):
                 globals()[rewrite](graph)
             for then in self._chained():
                 then(graph)
@@ -679,7 +762,7 @@ def install() -> None:
     from torch._inductor import config
 
     cls = fusion_pass_class()
-    for stage, (option, _, _) in _STAGES.items():
+    for stage, (option, *_) in _STAGES.items():
         current = getattr(config, option)
         if not (isinstance(current, cls) and current.stage == stage):
             setattr(config, option, cls(stage, current))
