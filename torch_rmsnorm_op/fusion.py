@@ -170,6 +170,15 @@ def epilogue_decomposition_enabled() -> bool:
     return _setting(EPILOGUE_ENV_VAR)
 
 
+def _rewritten(graph: Graph, count: int, message: str) -> int:
+    """A rewrite's end: where it changed ``count`` nodes of ``graph``, check the graph and log
+    ``message`` (with ``%d`` for the count); returns ``count``."""
+    if count:
+        graph.lint()
+        log.debug(message, count)
+    return count
+
+
 def _is_call(node: Node, op) -> bool:
     """Whether ``node`` calls the op ``op`` (a packet such as ``torch.ops.rmsnorm.fwd``)."""
     return node.op == "call_function" and node.target in (op, op.default)
@@ -303,10 +312,7 @@ def fuse_residual_adds(graph: Graph) -> int:
         add.replace_all_uses_with(total)
         graph.erase_node(add)
         count += 1
-    if count:
-        graph.lint()
-        log.debug("fused %d residual add(s) into rmsnorm.add_fwd", count)
-    return count
+    return _rewritten(graph, count, "fused %d residual add(s) into rmsnorm.add_fwd")
 
 
 def _only_output(norm: Node) -> Node | None:
@@ -357,10 +363,7 @@ def fuse_norm_add_norms(graph: Graph) -> int:
         for node in (*norm.users, norm):
             graph.erase_node(node)
         count += 1
-    if count:
-        graph.lint()
-        log.debug("fused %d norm -> residual add -> norm chain(s) into rmsnorm.norm_add_fwd", count)
-    return count
+    return _rewritten(graph, count, "fused %d norm -> residual add -> norm chain(s) into rmsnorm.norm_add_fwd")
 
 
 # --- norms left to Inductor ----------------------------------------------------------------
@@ -492,10 +495,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         norm.replace_all_uses_with(new)
         graph.erase_node(norm)
         count += 1
-    if count:
-        graph.lint()
-        log.debug("left %d rmsnorm.fwd to Inductor, fused with their neighbours", count)
-    return count
+    return _rewritten(graph, count, "left %d rmsnorm.fwd to Inductor, fused with their neighbours")
 
 
 def rewrite_pre_grad(graph: Graph) -> int:
@@ -595,10 +595,7 @@ def drop_unread_rstd(graph: Graph) -> int:
             if isinstance(buffer, Node) and not buffer.users and buffer.op == "call_function":
                 graph.erase_node(buffer)
         count += 1
-    if count:
-        graph.lint()
-        log.debug("dropped the unread rstd of %d rmsnorm forward launch(es)", count)
-    return count
+    return _rewritten(graph, count, "dropped the unread rstd of %d rmsnorm forward launch(es)")
 
 
 def _plain_add(node: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
@@ -662,10 +659,7 @@ def fuse_gradient_sums(graph: Graph) -> int:
         for add in inner:
             graph.erase_node(add)
         count += 1
-    if count:
-        graph.lint()
-        log.debug("summed %d gradient(s) in rmsnorm backward kernels", count)
-    return count
+    return _rewritten(graph, count, "summed %d gradient(s) in rmsnorm backward kernels")
 
 
 # --- Inductor passes -------------------------------------------------------------------------
