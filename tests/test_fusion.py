@@ -690,9 +690,7 @@ def _forward_launch(g, kernel="_rms_norm_fwd_rows", read=(), constants=None):
 
 
 def _stores_rstd(launch) -> bool:
-    from torch_rmsnorm_op import _torch_compat
-
-    return {**_torch_compat.constant_args(launch.kwargs["constant_args_idx"]), **launch.kwargs["kwargs"]}["STORE_RSTD"]
+    return fusion._constexprs(launch)["STORE_RSTD"]
 
 
 @pytest.mark.parametrize("kernel", ["_rms_norm_fwd_rows", "_rms_norm_fwd_looped", "_rms_norm_fwd_split",

@@ -551,6 +551,14 @@ def _set_launch(node: Node, **changes) -> None:
     node.meta["eager_input_vals"] = (args, immutable_dict(eager))
 
 
+def _constexprs(node: Node) -> dict:
+    """The launch ``node``'s constexprs and other arguments: its graph arguments where they are
+    plain values, else in the kernel side table."""
+    from torch_rmsnorm_op import _torch_compat
+
+    return {**_torch_compat.constant_args(node.kwargs["constant_args_idx"]), **node.kwargs["kwargs"]}
+
+
 def _with_constexprs(node: Node, kwargs: dict, changes: dict, **more) -> None:
     """Give the launch ``node`` the arguments ``kwargs`` with the constexprs ``changes``, each set
     where the launch holds it: in its graph arguments where it is a plain value, else in the
@@ -572,16 +580,13 @@ def drop_unread_rstd(graph: Graph) -> int:
     buffers; returns how many launches changed. The launch then writes y (and the residual sum)
     only, as an eager call without grad does, and the compiled call allocates one buffer less.
     Every output the graph reads stays the same bits."""
-    from torch_rmsnorm_op import _torch_compat
-
     count = 0
     for node in list(graph.nodes):
         outputs = _RSTD_OUTPUTS.get(_launched_kernel(node))
         if outputs is None:
             continue
         kwargs = dict(node.kwargs["kwargs"])
-        constexprs = {**_torch_compat.constant_args(node.kwargs["constant_args_idx"]), **kwargs}
-        if not constexprs.get("STORE_RSTD") or any(user.target is not operator.getitem for user in node.users):
+        if not _constexprs(node).get("STORE_RSTD") or any(user.target is not operator.getitem for user in node.users):
             continue
         if any(user.args[1] in outputs and user.users for user in node.users):
             continue
@@ -634,7 +639,6 @@ def fuse_gradient_sums(graph: Graph) -> int:
     backward kernels' launches in ``graph`` to the kernel (``launch.summed_gradient_consts``),
     erasing the adds; returns how many launches now sum their gradient. Leaves every other node
     as it is."""
-    from torch_rmsnorm_op import _torch_compat
     from torch_rmsnorm_op.launch import summed_gradient_consts
 
     count = 0
@@ -642,8 +646,7 @@ def fuse_gradient_sums(graph: Graph) -> int:
         if not _backward_launch(node):
             continue
         kwargs = dict(node.kwargs["kwargs"])
-        # Constexprs are graph arguments where they are plain values, else in the side table.
-        constexprs = {**_torch_compat.constant_args(node.kwargs["constant_args_idx"]), **kwargs}
+        constexprs = _constexprs(node)
         dy = kwargs.get("DY")
         if constexprs.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
             continue
