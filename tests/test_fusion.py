@@ -19,7 +19,7 @@ from torch.testing import FileCheck
 from torch.utils import _pytree as pytree
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op import dispatch, fusion
+from torch_rmsnorm_op import _torch_compat, dispatch, fusion
 
 transformers = pytest.importorskip("transformers")
 
@@ -495,7 +495,8 @@ def test_install_sets_both_passes_once():
 
 class _BackwardGraph:
     """A post-grad graph: placeholders with fake values, adds, and a functional launch of one of
-    our backward kernels whose ``DY`` (and the ``DY2``/``DY3`` stand-ins) is ``dy``."""
+    our backward kernels whose ``DY`` is ``dy``; its unread ``DY2`` and ``DY3`` are None, in the
+    kernel side table, where tracing puts a None argument."""
 
     def __init__(self):
         from torch._subclasses import FakeTensorMode
@@ -518,13 +519,13 @@ class _BackwardGraph:
     def launch(self, dy, kernel="_rms_norm_bwd_rows", **more):
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-        from torch_rmsnorm_op import _torch_compat, kernels
+        from torch_rmsnorm_op import kernels
 
         x = self.tensor("x")
         node = self.graph.call_function(_torch_compat.triton_kernel_wrapper_functional(), (), dict(
             kernel_idx=kernel_side_table.add_kernel(getattr(kernels, kernel)),
-            constant_args_idx=kernel_side_table.add_constant_args({}), grid=[(1, 1, 1)], tma_descriptor_metadata={},
-            kwargs={"DY": dy, "DY2": dy, "DY3": dy, "X": x, "DY_TERMS": 1, **more}, tensors_to_clone=["DX"]))
+            constant_args_idx=kernel_side_table.add_constant_args({"DY2": None, "DY3": None}), grid=[(1, 1, 1)],
+            tma_descriptor_metadata={}, kwargs={"DY": dy, "X": x, "DY_TERMS": 1, **more}, tensors_to_clone=["DX"]))
         self.graph.output(node)
         return node
 
@@ -548,9 +549,12 @@ def test_gradient_sums_move_into_the_backward_kernel(kernel):
             dy = g.add(a, b)
         launch = g.launch(dy, kernel)
         assert fusion.fuse_gradient_sums(g.graph) == 1
-        kw = launch.kwargs["kwargs"]
-        want = (a, b, c, 3) if shape != "pair" else (a, b, a, 2)
-        assert (kw["DY"], kw["DY2"], kw["DY3"], kw["DY_TERMS"]) == want, shape
+        args = fusion._constexprs(launch)
+        want = (a, b, c, 3) if shape != "pair" else (a, b, None, 2)
+        assert (args["DY"], args["DY2"], args["DY3"], args["DY_TERMS"]) == want, shape
+        # a term is a graph argument only: the side table's entries override the graph's at launch
+        table = _torch_compat.constant_args(launch.kwargs["constant_args_idx"])
+        assert table == ({} if shape != "pair" else {"DY3": None}), shape
         assert not _adds(g.graph)
         g.graph.lint()
 
@@ -583,8 +587,6 @@ def test_a_summing_launch_changes_constexprs_where_they_are():
     """Constexprs the kernel side table holds change there, not in the launch's arguments."""
     g = _BackwardGraph()  # constexprs the side table holds change there
     launch = g.launch(g.add(g.tensor("a"), g.tensor("b")))
-    from torch_rmsnorm_op import _torch_compat
-
     kwargs = {k: v for k, v in launch.kwargs["kwargs"].items() if k != "DY_TERMS"}
     launch.kwargs = dict(launch.kwargs, kwargs=kwargs, constant_args_idx=_torch_compat.with_constant_args(
         launch.kwargs["constant_args_idx"], DY_TERMS=1))
@@ -662,7 +664,7 @@ def _forward_launch(g, kernel="_rms_norm_fwd_rows", read=(), constants=None):
     Returns the launch and its rstd buffers."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    from torch_rmsnorm_op import _torch_compat, kernels
+    from torch_rmsnorm_op import kernels
 
     outputs = fusion._RSTD_OUTPUTS[kernel]
     x, r = g.tensor("x"), g.tensor("r")
@@ -698,20 +700,22 @@ def _stores_rstd(launch) -> bool:
 @pytest.mark.parametrize("where", ["kwargs", "side table"])
 def test_a_forward_whose_rstd_nothing_reads_does_not_store_it(kernel, where):
     """An inference graph's forward launch: ``STORE_RSTD`` turns off where the launch holds it,
-    x stands in for the rstd pointers, the launch clones no rstd, and the rstd buffers and their
-    unread results leave the graph."""
+    the rstd pointers become None (in the kernel side table, where tracing puts a None), the
+    launch clones no rstd, and the rstd buffers and their unread results leave the graph."""
     g = _BackwardGraph()
     launch, buffers = _forward_launch(g, kernel, constants={"STORE_RSTD": True} if where == "side table" else None)
     assert fusion.drop_unread_rstd(g.graph) == 1
     kw = launch.kwargs["kwargs"]
+    outputs = fusion._RSTD_OUTPUTS[kernel]
     assert not _stores_rstd(launch)
     assert ("STORE_RSTD" in kw) == (where == "kwargs")
-    assert all(kw[name] is kw["X"] for name in fusion._RSTD_OUTPUTS[kernel])
+    table = _torch_compat.constant_args(launch.kwargs["constant_args_idx"])
+    assert all(name not in kw and table[name] is None for name in outputs)
     assert launch.kwargs["tensors_to_clone"] == ["Y", "H"]
     _, eager = launch.meta["eager_input_vals"]  # the values Inductor gives the buffers' strides from
     assert pytree.tree_structure(eager) == pytree.tree_structure(launch.kwargs)
     assert eager["tensors_to_clone"] == ["Y", "H"] and eager["constant_args_idx"] == launch.kwargs["constant_args_idx"]
-    assert all(eager["kwargs"][name] is kw["X"].meta["val"] for name in fusion._RSTD_OUTPUTS[kernel])
+    assert all(name not in eager["kwargs"] for name in outputs)
     assert ("STORE_RSTD" in eager["kwargs"]) == (where == "kwargs") and not eager["kwargs"].get("STORE_RSTD")
     assert all(b not in g.graph.nodes for b in buffers)
     assert sorted(u.args[1] for u in launch.users) == ["H", "Y"]
@@ -761,8 +765,9 @@ def test_the_post_grad_pass_drops_unread_rstd_with_gradient_fusion_off():
 @pytest.mark.parametrize("residual", [False, True])
 def test_cuda_compiled_inference_allocates_no_rstd(residual):
     """Compiled with Inductor on CUDA without grad, a norm (and a norm with its residual add)
-    allocates its outputs only: no rstd buffer in the output code, y (and the sum) the bits of
-    the eager call; compiled for training, the forward still saves rstd."""
+    allocates its outputs only: no rstd buffer in the output code, the launch's unread pointers
+    constexprs (None), y (and the sum) the bits of the eager call; compiled for training, the
+    forward still saves rstd."""
     x, r = (torch.randn(16, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     w = torch.rand(2048, device="cuda", dtype=torch.bfloat16) + 0.5
 
@@ -774,6 +779,8 @@ def test_cuda_compiled_inference_allocates_no_rstd(residual):
         want = f(x, r, w)
     assert code.count("empty_strided_cuda((16, 2048)") == len(want), code
     assert "empty_strided_cuda((16, )" not in code, code
+    for name in ("RSTD",) if residual else ("R", "H", "RSTD"):  # the launch's signature, as Inductor compiled it
+        assert f"'{name}': 'constexpr'" in code, name
     for a, b in zip(out, want):
         assert torch.equal(a, b)
     torch._dynamo.reset()

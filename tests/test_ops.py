@@ -282,6 +282,39 @@ def test_launch_hooks_see_compiled_launches():
     assert len(seen) == 1
 
 
+def test_unread_pointers_go_to_the_kernels_as_none(device, monkeypatch):
+    """A pointer that a launch's constexprs leave unread is None, which Triton takes as a
+    constexpr, so the launch does not pass it: a forward without weight, residual or rstd (no
+    grad) passes x and y only; a backward with one gradient term and no residual gradient passes
+    no term, residual gradient or merge flags; and each computes what the reference does."""
+    seen = {}
+    real = launch._launch
+
+    def spy(kernel, grid, args, consts, *rest):
+        fn = getattr(kernel, "fn", kernel)
+        seen[fn.__name__] = dict(zip(fn.__code__.co_varnames, args))
+        return real(kernel, grid, args, consts, *rest)
+
+    monkeypatch.setattr(launch, "_launch", spy)
+    x, dy = torch.randn(3, 256, device=device), torch.randn(3, 256, device=device)
+    eps = reference.default_eps(x.dtype)
+    with torch.no_grad():
+        y = T.rms_norm(x, (256,))
+    fwd = seen.pop("_rms_norm_fwd_rows")
+    assert [k for k in ("X", "R", "W", "Y", "H", "RSTD") if fwd[k] is not None] == ["X", "Y"]
+    torch.testing.assert_close(y, reference.rms_norm_forward(x, None, eps)[0], **TOL[torch.float32])
+    w = torch.randn(256, device=device, requires_grad=True)
+    x.requires_grad_(True)
+    T.rms_norm(x, (256,), w).backward(dy)
+    bwd = seen.pop("_rms_norm_bwd_rows")
+    assert all(bwd[k] is None for k in ("DY2", "DY3", "DRES", "DW_FLAGS"))
+    assert all(isinstance(bwd[k], torch.Tensor) for k in ("DY", "X", "W", "RSTD", "DX", "DW_PARTIAL"))
+    rstd = reference.rms_norm_forward(x.detach(), w.detach(), eps)[1]
+    want_dx, want_dw = reference.rms_norm_backward(dy, x.detach(), w.detach(), rstd)
+    torch.testing.assert_close(x.grad, want_dx, **grad_tol(torch.float32))
+    torch.testing.assert_close(w.grad, want_dw, **dweight_tol(torch.float32, 3))
+
+
 @pytest.mark.parametrize("mode", ["single-pass", "looped", "split"])
 def test_forward_without_rstd_writes_the_same_y(device, mode):
     """``launch.forward`` with ``rstd=None`` (``rms_norm`` without a gradient to record) writes

@@ -105,11 +105,13 @@ def constant_args(constant_args_idx: int) -> dict:
     return kernel_side_table.get_constant_args(constant_args_idx)
 
 
-def with_constant_args(constant_args_idx: int, **more) -> int:
-    """The index of a traced launch's constant arguments (``constant_args_idx``) with ``more``."""
+def with_constant_args(constant_args_idx: int, drop: tuple[str, ...] = (), **more) -> int:
+    """The index of a traced launch's constant arguments (``constant_args_idx``) without those
+    named in ``drop`` and with ``more``."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
-    return kernel_side_table.add_constant_args({**constant_args(constant_args_idx), **more})
+    kept = {k: v for k, v in constant_args(constant_args_idx).items() if k not in drop}
+    return kernel_side_table.add_constant_args({**kept, **more})
 
 
 def compile_workers_running() -> bool:

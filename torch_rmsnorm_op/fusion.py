@@ -560,17 +560,21 @@ def _constexprs(node: Node) -> dict:
 
 
 def _with_constexprs(node: Node, kwargs: dict, changes: dict, **more) -> None:
-    """Give the launch ``node`` the arguments ``kwargs`` with the constexprs ``changes``, each set
-    where the launch holds it: in its graph arguments where it is a plain value, else in the
-    kernel side table; and ``more`` (``_set_launch``)."""
+    """Give the launch ``node`` the graph arguments ``kwargs`` with the constexprs ``changes``,
+    each set where the launch holds it: in its graph arguments where it is a plain value, else
+    in the kernel side table; and ``more`` (``_set_launch``). The side table holds what the graph
+    cannot (None among them, as tracing puts it there): a None in ``changes`` goes there, and
+    ``kwargs`` takes the place of a side-table entry of the same name."""
     from torch_rmsnorm_op import _torch_compat
 
     idx = node.kwargs["constant_args_idx"]
     constants = _torch_compat.constant_args(idx)
-    kwargs = {**kwargs, **{k: v for k, v in changes.items() if k not in constants}}
-    moved = {k: v for k, v in changes.items() if k in constants}
-    if moved:
-        idx = _torch_compat.with_constant_args(idx, **moved)
+    kwargs = {**kwargs, **{k: v for k, v in changes.items() if k not in constants and v is not None}}
+    moved = {k: v for k, v in changes.items() if k in constants or v is None}
+    kwargs = {k: v for k, v in kwargs.items() if k not in moved}
+    drop = tuple(k for k in kwargs if k in constants)
+    if moved or drop:
+        idx = _torch_compat.with_constant_args(idx, drop, **moved)
     _set_launch(node, kwargs=kwargs, constant_args_idx=idx, **more)
 
 
@@ -593,8 +597,8 @@ def drop_unread_rstd(graph: Graph) -> int:
         for user in [u for u in node.users if u.args[1] in outputs]:
             graph.erase_node(user)
         buffers = [kwargs[key] for key in outputs]
-        kwargs.update(dict.fromkeys(outputs, kwargs["X"]))  # X stands in, as in an eager call
-        _with_constexprs(node, kwargs, {"STORE_RSTD": False},
+        # None for the pointers, as in an eager call without grad
+        _with_constexprs(node, kwargs, {"STORE_RSTD": False, **dict.fromkeys(outputs)},
                          tensors_to_clone=[name for name in node.kwargs["tensors_to_clone"] if name not in outputs])
         for buffer in buffers:
             if isinstance(buffer, Node) and not buffer.users and buffer.op == "call_function":
@@ -648,14 +652,14 @@ def fuse_gradient_sums(graph: Graph) -> int:
         kwargs = dict(node.kwargs["kwargs"])
         constexprs = _constexprs(node)
         dy = kwargs.get("DY")
-        if constexprs.get("DY_TERMS", 1) != 1 or any(kwargs.get(k) is not dy for k in _DY_KEYS):
+        if constexprs.get("DY_TERMS", 1) != 1 or any(constexprs.get(k, 0) is not None for k in _DY_KEYS[1:]):
             continue
-        if any(v is dy for k, v in kwargs.items() if k not in _DY_KEYS):
+        if any(v is dy for k, v in kwargs.items() if k != "DY"):
             continue  # the sum is also another argument of the launch
         terms = _gradient_terms(dy) if isinstance(dy, Node) else None
         if terms is None:
             continue
-        kwargs.update(zip(_DY_KEYS, (*terms, terms[0])[:3]))
+        kwargs.update(zip(_DY_KEYS, terms))
         _with_constexprs(node, kwargs, summed_gradient_consts(constexprs, len(terms), _value(dy).dtype.itemsize))
         inner = [a for a in dy.args if isinstance(a, Node) and a not in terms]
         graph.erase_node(dy)

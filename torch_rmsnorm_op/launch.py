@@ -110,9 +110,9 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
     if m == 0:
         return
     has_residual = residual is not None
-    # x stands in for the pointers the kernel neither reads nor writes under its constexprs.
-    ptrs = [x, x if residual is None else residual, x if weight is None else weight, y, x if h is None else h,
-            x if rstd is None else rstd]
+    # None for the pointers the kernel neither reads nor writes under its constexprs: Triton takes
+    # None as a constexpr, so the launch does not pass them (each pointer argument costs host time).
+    ptrs = [x, residual, weight, y, h, rstd]
     strides = [*layout[1:], n if residual is None else row_stride(residual), row_stride(y),
                n if h is None else row_stride(h)]
     unmasked = cfg.mask_free and exact_tiles(cfg, m, n)
@@ -134,7 +134,7 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
     launcher = _launch(kernel, grid, [*ptrs, m, n, eps, *strides], consts, cfg.num_warps, x.device, traced)
     if (launcher is not None and kernels is None and plan.launcher is None and x.device.type == "cuda"
             and strides[-2] == n
-            and all(t.data_ptr() & 15 == 0 for t in ptrs)):
+            and all(t.data_ptr() & 15 == 0 for t in ptrs if t is not None)):
         plan.replay = ((*grid, 1, 1), (m, n), (*strides, *consts.values()))
         plan.launcher = launcher
 
@@ -193,8 +193,7 @@ def forward_norm_add(plan: Plan, x: Tensor, residual: Tensor, x_weight: Tensor |
         cfg = plan.norm_add_cfg = _norm_add_config(plan.cfg, m, x.device)
     if m == 0:
         return
-    ptrs = [x, residual, x if x_weight is None else x_weight, x if weight is None else weight, y, h,
-            x if rstd is None else rstd, x if x_rstd is None else x_rstd]
+    ptrs = [x, residual, x_weight, weight, y, h, rstd, x_rstd]
     strides = [*layout[1:], row_stride(residual), row_stride(y), row_stride(h)]
     consts = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_X_WEIGHT=x_weight is not None,
                   HAS_WEIGHT=weight is not None, LEAD_DIMS=layout.dims,
@@ -210,17 +209,20 @@ def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: 
     """``forward(plan, ...)`` through the launch the plan kept, when it applies: every pointer
     16-byte aligned (what the kernel was specialized on), x's device the current one, no launch
     hook, y's rows contiguous. Returns whether it launched."""
-    xp = x.data_ptr()
-    ptrs = (xp, xp if residual is None else residual.data_ptr(), xp if weight is None else weight.data_ptr(),
-            y.data_ptr(), xp if h is None else h.data_ptr(), xp if rstd is None else rstd.data_ptr())
+    xp, yp = x.data_ptr(), y.data_ptr()
+    rp = None if residual is None else residual.data_ptr()
+    wp = None if weight is None else weight.data_ptr()
+    hp = None if h is None else h.data_ptr()
+    sp = None if rstd is None else rstd.data_ptr()
     index = x.get_device()
     # torch.cuda.current_device() without its lazy-init check: a plan's launcher means CUDA is up
-    if ((ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15 or index != torch._C._cuda_getDevice()
+    if ((xp | (rp or 0) | (wp or 0) | yp | (hp or 0) | (sp or 0)) & 15 or index != torch._C._cuda_getDevice()
             or not _triton_compat.no_launch_hooks()):
         return False
     launcher = plan.launcher
     grid3, sizes, tail = plan.replay
-    launcher.call(*grid3, _triton_compat.current_stream(index), *launcher.head, *ptrs, *sizes, float(eps), *tail)
+    launcher.call(*grid3, _triton_compat.current_stream(index), *launcher.head, xp, rp, wp, yp, hp, sp, *sizes,
+                  float(eps), *tail)
     return True
 
 
@@ -358,11 +360,8 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
             partial = torch.empty((rows, n), dtype=torch.float32, device=device)
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
-    placeholder = x  # pointers the kernel does not read under its constexprs
-    terms = (*dy_terms, dy, dy)[:2]  # dy stands in for the terms the kernel does not read
-    ptrs = [dy, *terms, x, placeholder if weight is None else weight, rstd, dx,
-            placeholder if dres is None else dres, placeholder if partial is None else partial,
-            placeholder if flags is None else flags]
+    # None for the pointers the kernel does not read under its constexprs (see forward)
+    ptrs = [dy, *(*dy_terms, None, None)[:2], x, weight, rstd, dx, dres, partial, flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize, dweight_column_rows(cfg, m) if columns else 1)

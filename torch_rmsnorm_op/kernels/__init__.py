@@ -10,7 +10,9 @@ Math (``reference.py`` is the oracle), per row ``x`` of length ``N``::
 ``round`` is a rounding to fp16/bf16 (``ROUND``; none by default). All arithmetic is
 fp32; row offsets are 64-bit. With a residual (``HAS_RESIDUAL``) the forward first forms
 ``h = x + residual``, rounded to the dtype of the sum it stores, and normalizes ``h``; the
-backward adds the gradient that reached that sum (``HAS_DRES``) into dx.
+backward adds the gradient that reached that sum (``HAS_DRES``) into dx. A pointer that a
+kernel's constexprs leave unread is None: Triton takes it as a constexpr, and the launch passes
+one argument less.
 
 - ``rows.py``: a program holds ``ROWS`` whole rows in registers (forward, and the norm-add
   forward: ``rmsnorm(residual + rmsnorm(x))``, Gemma's norms around a residual add), or walks a

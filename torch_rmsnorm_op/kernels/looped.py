@@ -16,11 +16,11 @@ from torch_rmsnorm_op.kernels.common import _residual_sum, _row_offset, _rstd, _
 @triton.jit
 def _rms_norm_fwd_looped(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
-    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
-    W,  # weight [N] (read if HAS_WEIGHT)
+    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL, else None)
+    W,  # weight [N] (read if HAS_WEIGHT, else None)
     Y,  # output [M, N], row stride y_stride
-    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL)
-    RSTD,  # output [M] fp32 (written if STORE_RSTD)
+    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL, else None)
+    RSTD,  # output [M] fp32 (written if STORE_RSTD, else None)
     M,
     N,
     eps,

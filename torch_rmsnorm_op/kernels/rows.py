@@ -65,11 +65,11 @@ def _dweight_columns(DY, DY2, DY3, X, RSTD, DW, M, N, block, x_size1, x_size2, x
 @triton.jit
 def _rms_norm_fwd_rows(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
-    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
-    W,  # weight [N] (read if HAS_WEIGHT)
+    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL, else None)
+    W,  # weight [N] (read if HAS_WEIGHT, else None)
     Y,  # output [M, N], row stride y_stride
-    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL)
-    RSTD,  # output [M] fp32 (written if STORE_RSTD)
+    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL, else None)
+    RSTD,  # output [M] fp32 (written if STORE_RSTD, else None)
     M,
     N,
     eps,
@@ -122,12 +122,12 @@ def _rms_norm_fwd_rows(
 def _rms_norm_fwd_norm_add_rows(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
     R,  # residual [M, N], row stride r_stride
-    XW,  # x's weight [N] (read if HAS_X_WEIGHT)
-    W,  # weight [N] of the sum's norm (read if HAS_WEIGHT)
+    XW,  # x's weight [N] (read if HAS_X_WEIGHT, else None)
+    W,  # weight [N] of the sum's norm (read if HAS_WEIGHT, else None)
     Y,  # output [M, N], row stride y_stride
     H,  # output residual + rmsnorm(x) [M, N], row stride h_stride
-    RSTD,  # output [M] fp32, the sum's (written if STORE_RSTD)
-    X_RSTD,  # output [M] fp32, x's (written if STORE_RSTD)
+    RSTD,  # output [M] fp32, the sum's (written if STORE_RSTD, else None)
+    X_RSTD,  # output [M] fp32, x's (written if STORE_RSTD, else None)
     M,
     N,
     x_eps,
@@ -197,16 +197,16 @@ def _rms_norm_fwd_norm_add_rows(
 @triton.jit
 def _rms_norm_bwd_rows(
     DY,  # upstream gradient [M, N], row stride dy_stride
-    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1)
-    DY3,  # (read if DY_TERMS > 2)
+    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1, else None)
+    DY3,  # (read if DY_TERMS > 2, else None)
     X,  # forward input [M, N], rows addressed by _row_offset
-    W,  # weight [N] (read if HAS_WEIGHT)
+    W,  # weight [N] (read if HAS_WEIGHT, else None)
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride dx_stride
-    DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES)
+    DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES, else None)
     DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE: dweight partials;
     # dweight itself [N] with one row group, or with DW_COLUMNS
-    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros, _merge_partial's flags
+    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2)] int32 zeros, _merge_partial's flags; else None
     M,
     N,
     rows_per_group,

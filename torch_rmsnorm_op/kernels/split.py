@@ -127,11 +127,11 @@ def _fwd_chunk(X, R, H, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1,
 @triton.jit
 def _rms_norm_fwd_split(
     X,  # input [M, N], rows addressed by _row_offset (last dim contiguous)
-    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL)
-    W,  # weight [N] (read if HAS_WEIGHT)
+    R,  # residual [M, N], row stride r_stride (read if HAS_RESIDUAL, else None)
+    W,  # weight [N] (read if HAS_WEIGHT, else None)
     Y,  # output [M, N], row stride y_stride
-    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL)
-    RSTD,  # output [M] fp32 (written if STORE_RSTD)
+    H,  # output x + residual [M, N], row stride h_stride (written if HAS_RESIDUAL, else None)
+    RSTD,  # output [M] fp32 (written if STORE_RSTD, else None)
     SLOTS,  # [M + rows_per_group, SPLIT] int64 zeros: the rows' published partial sums
     M,
     N,
@@ -164,7 +164,11 @@ def _rms_norm_fwd_split(
     chunk = pid % SPLIT
     row_start, step = _group_rows(pid // SPLIT, rows_per_group, SPLIT, INTERLEAVE)
     start = chunk * BLOCK_N
-    X, R, Y, H, W = X + start, R + start, Y + start, H + start, W + start
+    X, Y = X + start, Y + start
+    if HAS_RESIDUAL:  # else R and H are None (constexprs), as W without a weight
+        R, H = R + start, H + start
+    if HAS_WEIGHT:
+        W = W + start
     offs = tl.arange(0, BLOCK_N)
     width = N - start
     x0 = _fwd_chunk(X, R, H, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs, x_size1,
@@ -205,15 +209,15 @@ def _bwd_chunks(X, DY, DY2, DY3, row, mask, offs, x_size1, x_size2, x_stride0, x
 @triton.jit
 def _rms_norm_bwd_split(
     DY,  # upstream gradient [M, N], row stride dy_stride
-    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1)
-    DY3,  # (read if DY_TERMS > 2)
+    DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1, else None)
+    DY3,  # (read if DY_TERMS > 2, else None)
     X,  # forward input [M, N], rows addressed by _row_offset
-    W,  # weight [N] (read if HAS_WEIGHT)
+    W,  # weight [N] (read if HAS_WEIGHT, else None)
     RSTD,  # [M] fp32, saved by the forward
     DX,  # output [M, N], row stride dx_stride
-    DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES)
+    DRES,  # gradient that reached x + residual [M, N], row stride dres_stride (read if HAS_DRES, else None)
     DW_PARTIAL,  # scratch [row groups, N] fp32, or [cdiv(row groups, 2), N] if MERGE
-    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2) * SPLIT] int32 zeros
+    DW_FLAGS,  # if MERGE: [cdiv(row groups, 2) * SPLIT] int32 zeros; else None
     SLOTS,  # [M + rows_per_group, SPLIT] int64 zeros: the rows' published partials
     M,
     N,
@@ -247,8 +251,15 @@ def _rms_norm_bwd_split(
     chunk = pid % SPLIT
     row_start, step = _group_rows(group, rows_per_group, SPLIT, INTERLEAVE)
     start = chunk * BLOCK_N
-    X, DY, DY2, DY3 = X + start, DY + start, DY2 + start, DY3 + start
-    DX, DRES, W = DX + start, DRES + start, W + start
+    X, DY, DX = X + start, DY + start, DX + start
+    if DY_TERMS > 1:  # else DY2 and DY3 are None (constexprs), as DRES and W where unread
+        DY2 = DY2 + start
+    if DY_TERMS > 2:
+        DY3 = DY3 + start
+    if HAS_DRES:
+        DRES = DRES + start
+    if HAS_WEIGHT:
+        W = W + start
     offs = tl.arange(0, BLOCK_N)
     width = N - start  # of this chunk, may exceed BLOCK_N
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
