@@ -283,10 +283,11 @@ def test_launch_hooks_see_compiled_launches():
 
 
 def test_unread_pointers_go_to_the_kernels_as_none(device, monkeypatch):
-    """A pointer that a launch's constexprs leave unread is None, which Triton takes as a
-    constexpr, so the launch does not pass it: a forward without weight, residual or rstd (no
-    grad) passes x and y only; a backward with one gradient term and no residual gradient passes
-    no term, residual gradient or merge flags; and each computes what the reference does."""
+    """A pointer that a launch's constexprs leave unread is None, and its stride, like the
+    unused strides of x's row layout, 1: Triton takes both as constexprs, so the launch does not
+    pass them. A forward without weight, residual or rstd (no grad) passes x and y only; a
+    backward with one gradient term and no residual gradient passes no term, residual gradient
+    or merge flags; and each computes what the reference does."""
     seen = {}
     real = launch._launch
 
@@ -302,12 +303,13 @@ def test_unread_pointers_go_to_the_kernels_as_none(device, monkeypatch):
         y = T.rms_norm(x, (256,))
     fwd = seen.pop("_rms_norm_fwd_rows")
     assert [k for k in ("X", "R", "W", "Y", "H", "RSTD") if fwd[k] is not None] == ["X", "Y"]
+    assert [fwd[k] for k in ("x_stride1", "x_stride2", "r_stride", "h_stride")] == [1, 1, 1, 1]
     torch.testing.assert_close(y, reference.rms_norm_forward(x, None, eps)[0], **TOL[torch.float32])
     w = torch.randn(256, device=device, requires_grad=True)
     x.requires_grad_(True)
     T.rms_norm(x, (256,), w).backward(dy)
     bwd = seen.pop("_rms_norm_bwd_rows")
-    assert all(bwd[k] is None for k in ("DY2", "DY3", "DRES", "DW_FLAGS"))
+    assert all(bwd[k] is None for k in ("DY2", "DY3", "DRES", "DW_FLAGS")) and bwd["dres_stride"] == 1
     assert all(isinstance(bwd[k], torch.Tensor) for k in ("DY", "X", "W", "RSTD", "DX", "DW_PARTIAL"))
     rstd = reference.rms_norm_forward(x.detach(), w.detach(), eps)[1]
     want_dx, want_dw = reference.rms_norm_backward(dy, x.detach(), w.detach(), rstd)

@@ -113,8 +113,9 @@ def forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor,
     # None for the pointers the kernel neither reads nor writes under its constexprs: Triton takes
     # None as a constexpr, so the launch does not pass them (each pointer argument costs host time).
     ptrs = [x, residual, weight, y, h, rstd]
-    strides = [*layout[1:], n if residual is None else row_stride(residual), row_stride(y),
-               n if h is None else row_stride(h)]
+    # 1 for the strides of unread pointers: Triton specializes it as a constexpr, as None above
+    strides = [*layout[1:], 1 if residual is None else row_stride(residual), row_stride(y),
+               1 if h is None else row_stride(h)]
     unmasked = cfg.mask_free and exact_tiles(cfg, m, n)
     consts = _forward_consts(cfg, weight is not None, has_residual, layout.dims, unmasked,
                              loop_steps(cfg, m, n), rstd is not None, plan.weight_offset, plan.round_code)
@@ -164,7 +165,7 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
         return False
     if x.dtype.itemsize != 2 or plan.round_code not in (0, 2 if x.dtype == torch.bfloat16 else 0):
         return False
-    contiguous = (1, 1, 1, plan.n, 0, 0)
+    contiguous = (1, 1, 1, plan.n, 1, 1)
     if tuple(plan.layout) != contiguous or tuple(sum_plan.layout) != contiguous:
         return False
     return all(type(t) not in (Tensor, torch.nn.Parameter) or t.data_ptr() & 15 == 0 for t in (x, residual))
@@ -362,7 +363,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     # None for the pointers the kernel does not read under its constexprs (see forward)
     ptrs = [dy, *(*dy_terms, None, None)[:2], x, weight, rstd, dx, dres, partial, flags]
-    strides = [*layout[1:], row_stride(dy), row_stride(dx), 0 if dres is None else row_stride(dres)]
+    strides = [*layout[1:], row_stride(dy), row_stride(dx), 1 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize, dweight_column_rows(cfg, m) if columns else 1)
     if dy_terms:

@@ -13,8 +13,9 @@ MAX_LEAD_DIMS = 3
 
 class RowLayout(NamedTuple):
     """Rows of a tensor as the kernels address them: ``dims`` (1 to 3) merged leading dims of
-    sizes ``(*, size1, size2)`` and strides ``(stride0, stride1, stride2)``; unused sizes are 1
-    and unused strides 0. One dim is a single row stride."""
+    sizes ``(*, size1, size2)`` and strides ``(stride0, stride1, stride2)``; unused sizes and
+    strides are 1, which Triton specializes as constexprs, so a launch does not pass them. One
+    dim is a single row stride."""
 
     dims: int
     size1: int
@@ -30,7 +31,7 @@ def row_layout(t: Tensor) -> RowLayout | None:
     strides after merging."""
     n = t.shape[-1]
     if t.is_contiguous():  # the common case, without walking the dims
-        return RowLayout(1, 1, 1, n, 0, 0)
+        return RowLayout(1, 1, 1, n, 1, 1)
     if n > 1 and t.stride(-1) != 1:
         return None
     dims: list[list[int]] = []  # [size, stride], outermost first
@@ -42,11 +43,11 @@ def row_layout(t: Tensor) -> RowLayout | None:
         else:
             dims.append([size, stride])
     if not dims:
-        return RowLayout(1, 1, 1, n, 0, 0)
+        return RowLayout(1, 1, 1, n, 1, 1)
     if len(dims) > MAX_LEAD_DIMS:
         return None
     sizes = [d[0] for d in dims] + [1] * (MAX_LEAD_DIMS - len(dims))
-    strides = [d[1] for d in dims] + [0] * (MAX_LEAD_DIMS - len(dims))
+    strides = [d[1] for d in dims] + [1] * (MAX_LEAD_DIMS - len(dims))
     return RowLayout(len(dims), sizes[1], sizes[2], *strides)
 
 
