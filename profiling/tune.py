@@ -59,8 +59,9 @@ REAL_NS = (128, 2048, 3584, 4096, 5120, 7168, 8192)
 
 def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Whole rows per program (512-16K elements, 1-16 warps, at least 8 elements per thread;
-    without masks where N is a power of two) and the looped form (2K-4K columns per step; where
-    N is not a power of two, also 512-2K columns per step that divide N, without masks)."""
+    without masks where N is a power of two) and the looped form (1K-4K columns per step, 4-16
+    warps; where N is not a power of two, also 512-2K columns per step that divide N, without
+    masks)."""
     block = triton.next_power_of_2(n)
     exact = block == n
     out = []
@@ -68,13 +69,14 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
         if 512 <= rows * block <= 16384 and warps * 32 * 8 <= rows * block:
             out.append(KernelConfig(block, rows, warps, mask_free=exact))
     if n >= 2048:
-        out += [KernelConfig(b, 1, w, looped=True, mask_free=n % b == 0) for b, w in ((2048, 8), (4096, 8), (4096, 16))
+        out += [KernelConfig(b, 1, w, looped=True, mask_free=n % b == 0)
+                for b, w in ((1024, 4), (1024, 8), (2048, 4), (2048, 8), (2048, 16), (4096, 4), (4096, 8), (4096, 16))
                 if b <= block]
     # Where N is not a power of two, steps that divide it: every lane loads, no masks.
     if n != block:
         steps = ((512, 1), (512, 2), (512, 4), (1024, 2), (1024, 4), (1024, 8), (2048, 4))
         out += [KernelConfig(b, 1, w, looped=True, mask_free=True) for b, w in steps if n % b == 0 and b < n]
-    return out
+    return list(dict.fromkeys(out))
 
 
 def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:

@@ -71,7 +71,9 @@ FWD_LADDER = (
     (4095, 4096, 2, {}),
     # Few rows: N=4096 single-pass, 1 row x 8 warps without masks: 16 / 1024 / 2048 rows 1.41 / 5.78 / 10.68 us
     # against the looped rung's 1.77 / 6.15 / 10.75, with the residual 1024 / 2048 rows 9.71 / 18.32 against 9.98 /
-    # 18.36; at 4096 rows 18.52 against 17.98.
+    # 18.36; at 4096 rows 18.52 against 17.98. Without a residual, looped steps of 2048 x 4 warps run 2048 rows
+    # in 9.93 us against 10.59 (Inductor 10.32), but 18.84 against 18.20 with one: the norm-add kernel needs both
+    # forwards on one configuration (profiling/results/tuning/2026-12-04-h200-looped-steps/; docs/tried.md).
     (4096, 4096, 8, dict(mask_free=True, max_m=2048)),
     # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
     # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
