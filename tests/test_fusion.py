@@ -761,6 +761,109 @@ def test_the_post_grad_pass_drops_unread_rstd_with_gradient_fusion_off():
         fusion.set_gradient_fusion(None)
 
 
+# --- view arguments, on graphs as AOTAutograd records CUDA launches ---------------------------
+
+
+def _view(g, op, source, *args):
+    node = g.graph.call_function(op, (source, *args))
+    with g.mode:
+        node.meta["val"] = op(source.meta["val"], *args)
+    return node
+
+
+def test_a_launch_reads_the_tensor_its_view_arguments_view():
+    """A matmul's [tokens, hidden] output read as [batch, seq, hidden] (``view``, ``_unsafe_view``,
+    ``unsqueeze``, chained): the launch takes the viewed tensor itself, the value Inductor
+    gives its buffer's strides from is that tensor's, and views nothing else reads leave the
+    graph; a second pass changes nothing."""
+    for chain in ((torch.ops.aten.view.default, [1, 4, 8]), (torch.ops.aten._unsafe_view.default, [1, 4, 8]),
+                  (torch.ops.aten.unsqueeze.default, 0), "chained"):
+        g = _BackwardGraph()
+        base = g.tensor("mm")
+        if chain == "chained":
+            view = _view(g, torch.ops.aten.view.default, _view(g, torch.ops.aten.unsqueeze.default, base, 0), [1, 4, 8])
+        else:
+            view = _view(g, chain[0], base, chain[1])
+        launch = g.launch(view)
+        launch.meta["eager_input_vals"] = ((), torch.fx.node.map_aggregate(
+            launch.kwargs, lambda v: v.meta["val"] if isinstance(v, torch.fx.Node) else v))
+        assert fusion.launch_view_bases(g.graph) == 1
+        assert launch.kwargs["kwargs"]["DY"] is base, chain
+        _, eager = launch.meta["eager_input_vals"]
+        assert eager["kwargs"]["DY"].shape == (4, 8)
+        assert [n.op for n in g.graph.nodes if n.op == "call_function"] == ["call_function"], chain  # the launch
+        g.graph.lint()
+        assert fusion.launch_view_bases(g.graph) == 0
+
+
+def test_views_that_start_elsewhere_or_read_otherwise_stay():
+    """A view that starts past its tensor's start (a slice from row 1), one of another dtype and
+    a tensor the launch writes stay the launch's arguments; a view another node also reads
+    stays in the graph while the launch takes its tensor."""
+    g = _BackwardGraph()
+    base = g.tensor("mm", shape=(5, 8))
+    launch = g.launch(_view(g, torch.ops.aten.slice.Tensor, base, 0, 1, 5))
+    assert fusion.launch_view_bases(g.graph) == 0
+    g = _BackwardGraph()
+    launch = g.launch(_view(g, torch.ops.aten.view.dtype, g.tensor("mm"), torch.float16))
+    assert fusion.launch_view_bases(g.graph) == 0
+    g = _BackwardGraph()
+    written = _view(g, torch.ops.aten.view.default, g.tensor("dx"), [1, 4, 8])
+    launch = g.launch(g.tensor("dy"), DX=written)
+    assert fusion.launch_view_bases(g.graph) == 0 and launch.kwargs["kwargs"]["DX"] is written
+    g = _BackwardGraph()
+    base = g.tensor("mm")
+    view = _view(g, torch.ops.aten.view.default, base, [1, 4, 8])
+    other = g.graph.call_function(torch.ops.aten.neg.default, (view,))
+    launch = g.launch(view)
+    assert fusion.launch_view_bases(g.graph) == 1
+    assert launch.kwargs["kwargs"]["DY"] is base and view in g.graph.nodes and other.args == (view,)
+
+
+@pytest.mark.cuda
+def test_cuda_launches_read_matmul_outputs_without_reinterpreting_them(monkeypatch):
+    """A residual a matmul writes as [tokens, hidden] and adds as [batch, seq, hidden], and a
+    norm's gradient summed from two projections' matmuls: compiled for training on CUDA, no
+    launch of ours in the output code, forward or backward, takes a ``reinterpret_tensor``;
+    the loss and every gradient are the bits of the same graph compiled without the rewrite."""
+    import re
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).to(torch.bfloat16).requires_grad_()
+
+    x, a, b = rand(1, 16, 2048), rand(16, 256), rand(256, 2048, scale=0.05)
+    w, wq, wk = rand(2048), rand(512, 2048, scale=0.02), rand(256, 2048, scale=0.02)
+
+    def f(x, a, b, w, wq, wk):  # as a decoder layer's input norm and its q and k projections
+        y, h = T.add_rms_norm(x, (a @ b).view(1, 16, 2048), (2048,), w, 1e-6)
+        q, k = torch.nn.functional.linear(y, wq), torch.nn.functional.linear(y, wk)
+        return q.float().square().sum() + k.float().square().sum() + h.float().square().sum()
+
+    def run():
+        loss = torch.compile(f, fullgraph=True)(x, a, b, w, wq, wk)
+        loss.backward()
+        grads = [t.grad.clone() for t in (x, a, b, w, wq, wk)]
+        for t in (x, a, b, w, wq, wk):
+            t.grad = None
+        return loss.detach(), grads
+
+    with T.fallback_policy("error"), compiling_afresh():
+        (loss, grads), codes = run_and_get_code(run)
+    launches = [line for code in codes for line in code.splitlines() if re.search(r"_rms_norm_\w+\.run\(", line)]
+    assert any("_rms_norm_fwd" in line for line in launches) and any("_rms_norm_bwd" in line for line in launches)
+    assert not [line for line in launches if "reinterpret_tensor" in line], launches
+    monkeypatch.setattr(fusion, "launch_view_bases", lambda graph: 0)
+    with T.fallback_policy("error"), compiling_afresh():
+        (want_loss, want_grads), codes = run_and_get_code(run)
+    assert any("reinterpret_tensor" in line for code in codes for line in code.splitlines()
+               if re.search(r"_rms_norm_\w+\.run\(", line))  # the views the rewrite takes away
+    assert torch.equal(loss, want_loss)
+    for got, want in zip(grads, want_grads):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("residual", [False, True])
 def test_cuda_compiled_inference_allocates_no_rstd(residual):

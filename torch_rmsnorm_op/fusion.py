@@ -95,8 +95,11 @@ the backward graph AOTAutograd has partitioned. Turn it off with ``set_gradient_
 or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 
 The same post-grad pass turns off the rstd stores of forward launches whose rstd nothing reads
-(inference graphs) and drops their rstd buffers (``drop_unread_rstd``); it changes no value the
-graph reads, and has no switch.
+(inference graphs) and drops their rstd buffers (``drop_unread_rstd``), and gives a launch the
+tensor that a view it reads views where both start at one address (``launch_view_bases``: a
+decoder's residual stream is [batch, seq, hidden], the projections' matmuls write [tokens,
+hidden], and Inductor would pass each such view as a ``reinterpret_tensor`` call at every
+launch). Neither changes a value the graph reads; neither has a switch.
 
 The passes are ``CustomGraphPass`` objects (one per stage) with a ``uuid()`` (compiled graphs stay
 cacheable), installed by ``torch_rmsnorm_op.patch_rmsnorm`` or ``install()``, chained with any
@@ -679,10 +682,57 @@ def _post_grad_settings() -> tuple[bool, ...]:
     return (gradient_fusion_enabled(),)
 
 
+# --- viewed inputs -----------------------------------------------------------------------------
+
+def _view_base(node: object) -> Node | None:
+    """The tensor a chain of views (``_unsafe_view`` among them, which Inductor also lowers to a
+    view) ends at, where ``node`` is such a chain whose every view starts where its input does,
+    in its dtype: the same data pointer. Else None."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    base = None
+    while (isinstance(node, Node) and node.op == "call_function" and node.args and isinstance(node.args[0], Node)
+           and (getattr(node.target, "is_view", False) or node.target is torch.ops.aten._unsafe_view.default)):
+        view, source = _value(node), _value(node.args[0])
+        if not (isinstance(view, torch.Tensor) and isinstance(source, torch.Tensor) and view.dtype == source.dtype
+                and statically_known_true(view.storage_offset() == source.storage_offset())):
+            break
+        node = base = node.args[0]
+    return base
+
+
+def launch_view_bases(graph: Graph) -> int:
+    """Give our launches in ``graph`` the tensor that a view argument they read views, where it
+    starts at the same address (``_view_base``): a kernel takes only a tensor's pointer, its
+    strides come as the launch's ints, so the launch reads the same memory. Inductor passes a
+    view of a buffer as a ``reinterpret_tensor`` call at each launch, host time on every call;
+    the base it passes as it is. Returns how many launches changed; views nothing else reads
+    leave the graph."""
+    count = 0
+    for node in list(graph.nodes):
+        if not (_launched_kernel(node) or "").startswith("_rms_norm"):
+            continue
+        kwargs = dict(node.kwargs["kwargs"])
+        written = set(node.kwargs["tensors_to_clone"])
+        views = {key: (value, _view_base(value)) for key, value in kwargs.items() if key not in written}
+        views = {key: pair for key, pair in views.items() if pair[1] is not None}
+        if not views:
+            continue
+        _set_launch(node, kwargs={**kwargs, **{key: base for key, (_, base) in views.items()}})
+        for view in dict.fromkeys(view for view, _ in views.values()):
+            while view.op == "call_function" and not view.users:  # the chain, as far as nothing reads it
+                source = view.args[0]
+                graph.erase_node(view)
+                view = source
+        count += 1
+    return _rewritten(graph, count, "gave %d rmsnorm launch(es) the tensors their view arguments view")
+
+
 def rewrite_post_grad(graph: Graph) -> int:
     """The post-grad stage: ``drop_unread_rstd``, then ``fuse_gradient_sums`` where that rewrite
-    is on; returns how many launches changed."""
-    return drop_unread_rstd(graph) + (fuse_gradient_sums(graph) if gradient_fusion_enabled() else 0)
+    is on, then ``launch_view_bases``; returns how many launches changed."""
+    count = drop_unread_rstd(graph) + (fuse_gradient_sums(graph) if gradient_fusion_enabled() else 0)
+    return count + launch_view_bases(graph)
 
 
 # stage: (Inductor's option, the rewrite's name in this module, the settings of its switchable
