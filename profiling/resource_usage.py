@@ -105,7 +105,7 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
         common |= dict(HAS_DRES=residual, STAGES=cfg.stages, MERGE=merge, DY_TERMS=1)
         if cfg.split > 1:
             return common | dict(SPLIT=cfg.split, PHASE=0, INTERLEAVE=cfg.interleave)
-        return common | dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload,
+        return common | dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, PREFETCH=cfg.prefetch,
                              ACC_ROWS=launch.dweight_acc_rows(cfg, dtype.itemsize), DW_COLUMNS=cfg.dw_columns,
                              DW_ROWS=1)
     common |= dict(HAS_RESIDUAL=residual, STORE_RSTD=True, ROUND=0)

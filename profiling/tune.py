@@ -21,7 +21,7 @@ against the float64 reference; ``dweight_rel_err`` (backward): dweight's, over i
 element.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
-[--wdtype float32] [--inductor] [--rounds R] [--table-only | --dw-columns]``; writes ``DIR/<tag>.json``.
+[--wdtype float32] [--inductor] [--rounds R] [--table-only | --dw-columns | --prefetch]``; writes ``DIR/<tag>.json``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,11 @@ def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
         out += [dataclasses.replace(cfg, reload=True), dataclasses.replace(cfg, stages=2),
                 dataclasses.replace(cfg, stages=2, counted_loop=not cfg.counted_loop)]
+    # The next tile loaded into registers ahead of each tile's arithmetic, at 1, 2 or 4 rows a tile and
+    # 1-4 programs per SM.
+    out += [KernelConfig(block, rows, warps, 1, pps, counted_loop=counted, prefetch=True)
+            for rows, warps, pps, counted in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 3, 4), (False, True))
+            if 2048 <= rows * block <= 16384 and warps * 32 * 4 <= rows * block]
     return out
 
 
@@ -204,9 +209,12 @@ def dw_column_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     return [dataclasses.replace(cfg, dw_columns=c) for c in DW_COLUMNS if c <= triton.next_power_of_2(n)]
 
 
-def candidates(job: Job, table: KernelConfig, table_only: bool, dw_columns: bool = False) -> list[KernelConfig]:
+def candidates(job: Job, table: KernelConfig, table_only: bool, dw_columns: bool = False,
+               prefetch: bool = False) -> list[KernelConfig]:
     if table_only:
         return [table]
+    if prefetch and job.backward:
+        return list(dict.fromkeys([table, *(c for c in bwd_candidates(job.n, table) if c.prefetch)]))
     if dw_columns and job.backward:
         return list(dict.fromkeys([table, *dw_column_candidates(job.n, table)]))
     if job.backward:
@@ -337,6 +345,9 @@ def main() -> None:
     p.add_argument("--dw-columns", action="store_true",
                    help="backward jobs: only the table's configuration with each dweight column width "
                         "(0: partial rows and the reduction launch)")
+    p.add_argument("--prefetch", action="store_true",
+                   help="backward jobs: only the table's configuration and the candidates that load the next "
+                        "tile ahead (KernelConfig.prefetch)")
     p.add_argument("--inductor", action="store_true", help="also time Inductor's compiled F.rms_norm")
     p.add_argument("--dry-run", action="store_true", help="CPU through the Triton interpreter: checks, no timings")
     args = p.parse_args()
@@ -368,7 +379,7 @@ def main() -> None:
         table = fit_to_rows(cfg, job.m, torch.device(DEVICE))
         if not job.backward:
             table = with_early_weight(table, job.m, torch.device(DEVICE))
-        jobs.append((job, candidates(job, table, args.table_only, args.dw_columns)))
+        jobs.append((job, candidates(job, table, args.table_only, args.dw_columns, args.prefetch)))
     if args.workers > 1:
         precompile(jobs, args.workers)
     for job, cfgs in jobs:

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+from torch_rmsnorm_op import launch
 from torch_rmsnorm_op.config import (
     BWD_DW_COLUMNS,
     EARLY_WEIGHT_ELEMENTS,
@@ -231,3 +232,24 @@ def test_a_symbolic_row_count_takes_the_rungs_for_many_rows_and_a_wider_weight_i
         plan = dispatch.forward_plan(x, mode.from_tensor(w))
     assert plan.cfg == forward_config(2048, bf16)
     assert plan.cfg != forward_config(2048, bf16, m=2048)
+
+
+def test_the_backward_loads_the_next_row_ahead_at_n_4097_to_8192():
+    """The rows backward's rung for N = 4,097-8,192 (2- and 4-byte dtypes) holds one row a tile and
+    loads the next ahead; a summing launch of it keeps that and its stages. ``prefetch`` is for
+    the single-pass backward that reads x and dy once."""
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n in (4097, 5120, 8192):
+            cfg = backward_config(n, dtype)
+            assert (cfg.rows, cfg.num_warps, cfg.prefetch) == (1, 16, True), (dtype, n, cfg)
+        assert not backward_config(4096, dtype).prefetch
+        assert not backward_config(8193, dtype).prefetch
+    consts = {"ROWS": 1, "ACC_ROWS": 1, "BLOCK_N": 8192, "STAGES": 1, "PREFETCH": True}
+    assert launch.summed_gradient_consts(consts, 3, 2) == {"DY_TERMS": 3}
+    staged = {"ROWS": 2, "ACC_ROWS": 1, "BLOCK_N": 2048, "STAGES": 1}
+    assert launch.summed_gradient_consts({**staged, "PREFETCH": True}, 3, 2) == {"DY_TERMS": 3, "ROWS": 1}
+    assert launch.summed_gradient_consts({**staged, "PREFETCH": False}, 3, 2) == {"DY_TERMS": 3, "ROWS": 1,
+                                                                                 "STAGES": 2}
+    for bad in (dict(split=4), dict(looped=True), dict(reload=True)):
+        with pytest.raises(ValueError, match="prefetch is for the single-pass backward"):
+            KernelConfig(1024, 1, 4, prefetch=True, **bad)

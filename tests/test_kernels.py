@@ -31,6 +31,7 @@ FORWARD = {
 BACKWARD = {
     "rows": KernelConfig(64, 2, 4, programs_per_sm=1),
     "rows-counted-reload": KernelConfig(64, 2, 4, programs_per_sm=2, counted_loop=True, reload=True),
+    "rows-prefetch": KernelConfig(64, 2, 4, programs_per_sm=1, prefetch=True),
     "split": KernelConfig(16, 1, 4, split=4, stages=2, interleave=True),
 }
 
@@ -150,7 +151,29 @@ def test_backward_is_bitwise_deterministic(device, strategy):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("strategy", ["rows", "rows-2048", "split"])
+@pytest.mark.parametrize("terms", [1, 3])
+@pytest.mark.parametrize("counted", [False, True])
+def test_backward_bits_do_not_depend_on_loading_a_tile_ahead(device, terms, counted):
+    """``prefetch`` moves the row loop's loads a tile earlier and changes no arithmetic: dx and
+    dweight are the same bits, over row groups whose last tile is partial, with the residual's
+    gradient and summed terms."""
+    x = torch.randn(2, 21, 60, device=device, dtype=torch.bfloat16)
+    w = torch.randn(60, device=device, dtype=torch.bfloat16)
+    dy, *more = (torch.randn(x.shape, device=device, dtype=x.dtype) for _ in range(terms))
+    dres = torch.randn(x.shape, device=device, dtype=x.dtype)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    outs = []
+    for prefetch in (False, True):
+        cfg = KernelConfig(64, 2, 4, programs_per_sm=1, counted_loop=counted, prefetch=prefetch)
+        plan = dataclasses.replace(dispatch.backward_plan(x, w, x.dtype), cfg=cfg)
+        dx, dw = _poison(x.shape, x.dtype, device), _poison(w.shape, w.dtype, device)
+        launch.backward(plan, dy, x, w, rstd, dx, dw, dres, dy_terms=tuple(more))
+        outs.append((dx, dw))
+    assert not outs[0][0].isnan().any() and not outs[0][1].isnan().any()
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("strategy", ["rows", "rows-2048", "rows-prefetch", "split"])
 @pytest.mark.parametrize("terms", [2, 3])
 def test_backward_sums_its_gradient_terms(device, strategy, terms):
     """``dy_terms``: the kernel adds the gradient's terms as Inductor's fused sum does (in fp32,

@@ -204,7 +204,13 @@ BWD_LADDER = (
     # bounds 81.5% / 66.6%; add-bwd-4096.json); in-kernel bounds 92.2% at 32768 rows (bwd.json). 4 rows x 16 warps,
     # the rung before: 70.8% / not measured, 88.0% at 32768 rows.
     (4096, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
-    (8192, 16384, 16, {}),  # 91.5% (counted loop 78.2%, 2 programs per SM 89.8%)
+    # N=8192: 1 row x 16 warps, the next row loaded into registers ahead of each row's arithmetic (prefetch),
+    # against 2 rows x 16 warps without it (91.5% at 256 MiB; counted loop 78.2%, 2 programs per SM 89.8%): 0.80-0.995x
+    # its GPU time at every shape measured (N = 5120-8192 at 16-16384 rows): 2048 x 8192 30.24 against 32.98 us,
+    # 8192 x 5120 with the residual's gradient and dy summed from 2 terms 113.85 against 142.39, 16384 x 5120 with 3
+    # 250.51 against 315.09 (ab-*.json in profiling/results/tuning/2026-12-04-h200-backward-prefetch/). At N = 2048
+    # and 4096 loading a tile ahead wins with one gradient term and loses with the summed terms models launch there.
+    (8192, 8192, 16, dict(prefetch=True)),
     # N=16384: x and dy read a second time after the row sum (reload), counted loop: 87.1% (in-kernel bounds
     # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
     (16384, 16384, 16, dict(counted_loop=True, reload=True)),
@@ -228,7 +234,11 @@ BWD_LADDER_FP32 = (
     (256, 8192, 8, dict(programs_per_sm=4)),  # N=256: 87.3% (4 warps 65.6%; bwd-near.json)
     (1024, 8192, 4, dict(programs_per_sm=8)),  # N=1024: 90.0%, 89.4% (4 rows 86.5%, 87.7%; bwd-loop-form, bwd-near)
     (4096, 16384, 8, dict(programs_per_sm=2)),  # 92.2% vs 16 warps 89.7% by bench timing (near-table.json)
-    (8192, 16384, 16, {}),  # 87.7% (1 row: 88.0%, a tie; bwd-near-fp32.json)
+    # N=8192: 1 row x 16 warps with the next row loaded ahead (prefetch), as the 2-byte rung: 8192 x 8192 206.62
+    # against 2 rows x 16 warps' 210.27 us, 4096 x 8192 106.51 against 110.07, 8192 x 5120 127.76 against 129.67
+    # (prefetch-fp32.json in profiling/results/tuning/2026-12-04-h200-backward-prefetch/; 2 rows: 87.7%, 1 row
+    # without prefetch 88.0%, bwd-near-fp32.json).
+    (8192, 8192, 16, dict(prefetch=True)),
     (16384, 16384, 32, dict(reload=True)),  # 89.4% (once, 16 warps: 81.6%; bwd-reload.json)
 )
 # Backward beyond the ladder, split mode: (max N, columns per program, warps, options).
@@ -324,7 +334,9 @@ class KernelConfig:
     ``dw_columns`` (single-pass backward) > 0: dweight from programs of ``dw_columns`` columns
     each in the same launch, which read every row (``BWD_DW_COLUMNS``), not from partial rows;
     ``early_weight`` (single-pass forward) loads the weight before x instead of after the row's
-    sum (``with_early_weight``)."""
+    sum (``with_early_weight``);
+    ``prefetch`` (single-pass backward) loads the next tile into registers before the current
+    tile's arithmetic."""
 
     block_n: int
     rows: int
@@ -340,6 +352,7 @@ class KernelConfig:
     keep_rows: bool = False
     dw_columns: int = 0
     early_weight: bool = False
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         # The kernels would read outside the tensors, not fail, given these.
@@ -357,6 +370,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig: dw_columns is a power of two, for the single-pass backward, got {self}")
         if self.early_weight and (self.split != 1 or self.looped):
             raise ValueError(f"KernelConfig: early_weight is for the single-pass forward, got {self}")
+        if self.prefetch and (self.split != 1 or self.looped or self.reload):
+            raise ValueError(f"KernelConfig: prefetch is for the single-pass backward without reload, got {self}")
 
 
 def _config(n: int, ladder: tuple, split_ladder: tuple, residual: bool = False, m: int | None = None) -> KernelConfig:

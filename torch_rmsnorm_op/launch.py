@@ -294,6 +294,7 @@ def _backward_consts(cfg: KernelConfig, has_weight: bool, has_dres: bool, lead_d
     else:
         out = dict(BLOCK_N=cfg.block_n, ROWS=cfg.rows, HAS_WEIGHT=has_weight, HAS_DRES=has_dres,
                    LEAD_DIMS=lead_dims, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, STAGES=cfg.stages,
+                   PREFETCH=cfg.prefetch,
                    MERGE=merge, WEIGHT_OFFSET=weight_offset, ACC_ROWS=dweight_acc_rows(cfg, elem_bytes),
                    DY_TERMS=1, DW_COLUMNS=cfg.dw_columns if has_weight else 0, DW_ROWS=dw_rows)
     return MappingProxyType(out)
@@ -309,13 +310,16 @@ def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict
     """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
     gradient tensors of ``elem_bytes`` bytes: ``DY_TERMS``, and for the rows kernel the rows per
     tile and the row loop's stages (``config.BWD_SUMMED``; elsewhere half the rows, at least 1),
-    which leave registers for the terms' loads. The grid, the rows per group and the dweight
+    which leave registers for the terms' loads; a launch that loads its next tile ahead
+    (``PREFETCH``) keeps its stages. The grid, the rows per group and the dweight
     partials of the launch stay as they are (the row loop masks a tile that crosses its group's
     end)."""
     out = {"DY_TERMS": terms}
     if "ROWS" in consts and consts["ROWS"] > 1:
         table = BWD_SUMMED.get(consts["BLOCK_N"]) if elem_bytes == 2 else None
         rows, stages = table[terms - 2] if table else (consts["ROWS"] // 2, consts["STAGES"])
+        if consts.get("PREFETCH"):  # its loads are already a tile ahead
+            stages = consts["STAGES"]
         rows = min(consts["ROWS"], rows)
         if rows != consts["ROWS"]:
             out["ROWS"] = rows

@@ -101,11 +101,24 @@ def _load_dy(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.conste
     the sum of that many terms (DY, DY2, DY3 at the same offsets) as Inductor computes a sum of
     gradients it fuses: in fp32, rounded once to DY's dtype."""
     dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    dy2 = dy
+    dy3 = dy
     if DY_TERMS > 1:
-        total = dy.to(tl.float32) + tl.load(DY2 + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
+        dy2 = tl.load(DY2 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    if DY_TERMS > 2:
+        dy3 = tl.load(DY3 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    return _sum_terms(dy, dy2, dy3, DY_TERMS)
+
+
+@triton.jit
+def _sum_terms(dy, dy2, dy3, DY_TERMS: tl.constexpr):
+    """``dy``, or the sum of ``DY_TERMS`` (2 or 3) terms of one dtype as Inductor computes a sum of
+    gradients it fuses: in fp32, rounded once to their dtype."""
+    if DY_TERMS > 1:
+        total = dy.to(tl.float32) + dy2.to(tl.float32)
         if DY_TERMS > 2:
-            total += tl.load(DY3 + offs, mask=mask, other=0.0, eviction_policy=POLICY).to(tl.float32)
-        dy = total.to(DY.dtype.element_ty)
+            total += dy3.to(tl.float32)
+        dy = total.to(dy.dtype)
     return dy
 
 

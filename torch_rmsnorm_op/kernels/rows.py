@@ -27,6 +27,7 @@ from torch_rmsnorm_op.kernels.common import (
     _rstd,
     _scale,
     _store_partial,
+    _sum_terms,
     _weight,
 )
 
@@ -195,6 +196,26 @@ def _rms_norm_fwd_norm_add_rows(
 
 
 @triton.jit
+def _load_tile(X, DY, DY2, DY3, RSTD, rows, row_end, cols, col_mask, x_size1, x_size2, x_stride0, x_stride1,
+               x_stride2, dy_stride, LEAD_DIMS: tl.constexpr, DY_TERMS: tl.constexpr):
+    """Rows ``rows`` of x and of each dy term, in their own dtypes (0 past ``row_end``), and their rstd."""
+    row_mask = rows < row_end
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None]
+                + cols[None, :], mask=mask, other=0.0)
+    offs = rows[:, None] * dy_stride + cols[None, :]
+    dy = tl.load(DY + offs, mask=mask, other=0.0)
+    dy2 = dy
+    dy3 = dy
+    if DY_TERMS > 1:
+        dy2 = tl.load(DY2 + offs, mask=mask, other=0.0)
+    if DY_TERMS > 2:
+        dy3 = tl.load(DY3 + offs, mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    return x, dy, dy2, dy3, rstd
+
+
+@triton.jit
 def _rms_norm_bwd_rows(
     DY,  # upstream gradient [M, N], row stride dy_stride
     DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1, else None)
@@ -226,6 +247,7 @@ def _rms_norm_bwd_rows(
     COUNTED_LOOP: tl.constexpr,  # the row loop runs 0..rows_per_group, else row_start..row_end
     RELOAD: tl.constexpr,  # read x and dy again after the row sum (from L1/L2)
     STAGES: tl.constexpr,  # the row loop's num_stages: > 1 has Triton prefetch its loads into shared memory
+    PREFETCH: tl.constexpr,  # each iteration loads the next tile into registers before its own arithmetic
     MERGE: tl.constexpr,  # two groups share a partial row (_merge_partial)
     WEIGHT_OFFSET: tl.constexpr,
     ACC_ROWS: tl.constexpr,  # rows of the dweight accumulator: ROWS, or 1 (each tile summed as it goes)
@@ -259,15 +281,29 @@ def _rms_norm_bwd_rows(
         loop_start, loop_end, base = 0, rows_per_group, row_start
     else:
         loop_start, loop_end, base = row_start, row_end, 0
+    if PREFETCH:
+        next_x, next_dy, next_dy2, next_dy3, next_rstd = _load_tile(
+            X, DY, DY2, DY3, RSTD, base + loop_start + tl.arange(0, ROWS), row_end, cols, col_mask, x_size1, x_size2,
+            x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
     for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
         rows = base + first + tl.arange(0, ROWS)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
         x_ptrs = X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None] \
             + cols[None, :]
         dy_offs = rows[:, None] * dy_stride + cols[None, :]
-        x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
-        dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_last" if RELOAD else "", DY_TERMS).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
+        if PREFETCH:
+            # The next tile's loads issue before this tile's arithmetic, in its raw dtype: no
+            # conversion waits on them until the next iteration.
+            x, dy, dy2, dy3, rstd = next_x, next_dy, next_dy2, next_dy3, next_rstd
+            next_x, next_dy, next_dy2, next_dy3, next_rstd = _load_tile(
+                X, DY, DY2, DY3, RSTD, rows + ROWS, row_end, cols, col_mask, x_size1, x_size2, x_stride0, x_stride1,
+                x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
+            x = x.to(tl.float32)
+            dy = _sum_terms(dy, dy2, dy3, DY_TERMS).to(tl.float32)
+        else:
+            x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
+            dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_last" if RELOAD else "", DY_TERMS).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
         u = dy
         if HAS_WEIGHT:
             u = dy * w[None, :]
