@@ -81,17 +81,18 @@ def fwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
 
 def bwd_candidates(n: int, cfg: KernelConfig) -> list[KernelConfig]:
     """Row tiles of 2K-16K elements, 4-16 warps, 1-8 programs per SM, each with both row-loop
-    forms; the table's configuration with a second read of x and dy, and with prefetching."""
+    forms; the table's configuration with a second read of x and dy, and with its loads
+    prefetched by Triton's pipeliner (stages 2); tiles of 1, 2 or 4 rows that load the next tile
+    into registers ahead (``prefetch``)."""
     block = triton.next_power_of_2(n)
     out = [KernelConfig(block, tile // block, warps, 1, pps, counted_loop=counted)
            for tile, warps, pps, counted in itertools.product((2048, 4096, 8192, 16384), (4, 8, 16), (1, 2, 4, 8),
                                                               (False, True))
            if tile >= block and warps * 32 * 4 <= tile]
     if cfg.split == 1:  # the table's row-loop variants (split mode has its own loop)
-        out += [dataclasses.replace(cfg, reload=True), dataclasses.replace(cfg, stages=2),
-                dataclasses.replace(cfg, stages=2, counted_loop=not cfg.counted_loop)]
-    # The next tile loaded into registers ahead of each tile's arithmetic, at 1, 2 or 4 rows a tile and
-    # 1-4 programs per SM.
+        loop = dataclasses.replace(cfg, prefetch=False)
+        out += [dataclasses.replace(loop, reload=True), dataclasses.replace(loop, stages=2),
+                dataclasses.replace(loop, stages=2, counted_loop=not cfg.counted_loop)]
     out += [KernelConfig(block, rows, warps, 1, pps, counted_loop=counted, prefetch=True)
             for rows, warps, pps, counted in itertools.product((1, 2, 4), (4, 8, 16), (1, 2, 3, 4), (False, True))
             if 2048 <= rows * block <= 16384 and warps * 32 * 4 <= rows * block]

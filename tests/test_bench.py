@@ -10,7 +10,7 @@ import pytest
 import torch
 from tolerances import TOL
 
-from torch_rmsnorm_op.config import backward_config
+from torch_rmsnorm_op.config import backward_config, forward_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,6 +43,29 @@ def test_bench_smoke_writes_the_declared_schema(tmp_path):
                     cfg = backward_config(row["N"], getattr(torch, row["dtype"]), row["M"])
                     want += ["_rms_norm_bwd_"] + ([] if cfg.dw_columns else ["_rms_norm_dw_reduce"])
                 assert all(any(name.startswith(prefix) for name in names) for prefix in want), row
+
+
+def test_tune_builds_candidates_around_every_rung(monkeypatch):
+    """``profiling/tune.py``'s candidates are valid configurations around each table rung, the
+    backward's variants of the rung's row loop included (a rung that loads its next tile ahead
+    gets variants without that, which reload or prefetch through shared memory)."""
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import tune
+    finally:
+        sys.path.remove(os.path.join(ROOT, "profiling"))
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (128, 1536, 2048, 4096, 5120, 8192, 16384, 65536):
+            for pass_name in ("fwd", "add_fwd", "bwd", "add_bwd"):
+                job = tune.Job(pass_name, 8192, n, dtype, dtype)
+                table = backward_config(n, dtype) if job.backward else forward_config(n, dtype, job.residual)
+                for prefetch in (False, True):
+                    cfgs = tune.candidates(job, table, False, prefetch=prefetch)
+                    assert cfgs[0] == table and len(cfgs) == len(set(cfgs)), (job, table)
+                    assert prefetch or len(cfgs) > 1 or table.split > 1, (job, table)
+                    assert all(c.prefetch for c in cfgs[1:]) or not (prefetch and job.backward), (job, table)
+    assert any(c.reload and not c.prefetch for c in tune.bwd_candidates(8192, backward_config(8192, torch.bfloat16)))
 
 
 def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
