@@ -100,6 +100,14 @@ def _load_dy(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.conste
     """The upstream gradient at ``DY + offs``, in DY's dtype: DY's own, or with DY_TERMS 2 or 3
     the sum of that many terms (DY, DY2, DY3 at the same offsets) as Inductor computes a sum of
     gradients it fuses: in fp32, rounded once to DY's dtype."""
+    dy, dy2, dy3 = _load_terms(DY, DY2, DY3, offs, mask, POLICY, DY_TERMS)
+    return _sum_terms(dy, dy2, dy3, DY_TERMS)
+
+
+@triton.jit
+def _load_terms(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
+    """The ``DY_TERMS`` gradient terms at ``offs`` as loaded (0 where masked), unsummed; the
+    terms past ``DY_TERMS`` are DY's values again, for ``_sum_terms`` to leave."""
     dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY)
     dy2 = dy
     dy3 = dy
@@ -107,7 +115,7 @@ def _load_dy(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.conste
         dy2 = tl.load(DY2 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
     if DY_TERMS > 2:
         dy3 = tl.load(DY3 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
-    return _sum_terms(dy, dy2, dy3, DY_TERMS)
+    return dy, dy2, dy3
 
 
 @triton.jit

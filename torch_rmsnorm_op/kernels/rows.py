@@ -22,6 +22,7 @@ from torch_rmsnorm_op.kernels.common import (
     _bf16_exact,
     _load_dy,
     _load_f32,
+    _load_terms,
     _residual_sum,
     _row_offset,
     _rstd,
@@ -203,14 +204,7 @@ def _load_tile(X, DY, DY2, DY3, RSTD, rows, row_end, cols, col_mask, x_size1, x_
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None]
                 + cols[None, :], mask=mask, other=0.0)
-    offs = rows[:, None] * dy_stride + cols[None, :]
-    dy = tl.load(DY + offs, mask=mask, other=0.0)
-    dy2 = dy
-    dy3 = dy
-    if DY_TERMS > 1:
-        dy2 = tl.load(DY2 + offs, mask=mask, other=0.0)
-    if DY_TERMS > 2:
-        dy3 = tl.load(DY3 + offs, mask=mask, other=0.0)
+    dy, dy2, dy3 = _load_terms(DY, DY2, DY3, rows[:, None] * dy_stride + cols[None, :], mask, "", DY_TERMS)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
     return x, dy, dy2, dy3, rstd
 
