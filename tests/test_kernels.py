@@ -153,11 +153,12 @@ def test_backward_is_bitwise_deterministic(device, strategy):
 
 @pytest.mark.parametrize("terms", [1, 3])
 @pytest.mark.parametrize("counted", [False, True])
-def test_backward_bits_do_not_depend_on_loading_a_tile_ahead(device, terms, counted):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_backward_bits_do_not_depend_on_loading_a_tile_ahead(device, terms, counted, layout):
     """``prefetch`` moves the row loop's loads a tile earlier and changes no arithmetic: dx and
     dweight are the same bits, over row groups whose last tile is partial, with the residual's
-    gradient and summed terms."""
-    x = torch.randn(2, 21, 60, device=device, dtype=torch.bfloat16)
+    gradient and summed terms, on rows addressed by one stride or by a head view's three."""
+    x = _input(layout, 42, 60, torch.bfloat16, device)
     w = torch.randn(60, device=device, dtype=torch.bfloat16)
     dy, *more = (torch.randn(x.shape, device=device, dtype=x.dtype) for _ in range(terms))
     dres = torch.randn(x.shape, device=device, dtype=x.dtype)
