@@ -205,7 +205,7 @@ BWD_LADDER = (
     # the rung before: 70.8% / not measured, 88.0% at 32768 rows.
     (4096, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
     # N=8192: 1 row x 16 warps, the next row loaded into registers ahead of each row's arithmetic (prefetch),
-    # against 2 rows x 16 warps without it (91.5% at 256 MiB; counted loop 78.2%, 2 programs per SM 89.8%): 0.80-0.995x
+    # against 2 rows x 16 warps without it (91.5% at 256 MiB; counted loop 78.2%, 2 programs per SM 89.8%): 0.79-0.995x
     # its GPU time at every shape measured (N = 5120-8192 at 16-16384 rows): 2048 x 8192 30.24 against 32.98 us,
     # 8192 x 5120 with the residual's gradient and dy summed from 2 terms 113.85 against 142.39, 16384 x 5120 with 3
     # 250.51 against 315.09 (ab-*.json in profiling/results/tuning/2026-12-04-h200-backward-prefetch/). At N = 2048
