@@ -72,6 +72,8 @@ def test_smoke_run_writes_the_declared_schema(smoke):
         assert row["norm_modules"] == 5
         assert len(row["step_ms_rounds"]) == row["rounds"], row
         assert (row["impl"] == "stock") == ("step_ratio_paired" not in row), row
+        assert len(row["step_ms_alternating"]) == row["steps"], row  # as many as the windows' steps
+        assert (row["impl"] == "stock") == ("step_ratio_alternating" not in row), row
         if row["impl"] == "patched":
             assert row["norm_modules_swapped"] == row["norm_modules"]
             ours = {name: k for name, k in row["norm_kernels"].items() if k["source"] == "ours"}
@@ -87,7 +89,7 @@ def test_smoke_run_writes_markdown_and_chart(smoke):
     path, result, stdout = smoke
     md = path.with_suffix(".md").read_text()
     assert "| model | hidden×layers | tokens | mode | pass | stock ms | patched ms |" in md
-    assert "| patched/stock |" in md and "| patched/stock paired rounds |" in md
+    assert "| patched/stock |" in md and "| patched/stock paired rounds | patched/stock alternating steps |" in md
     for pass_ in ("train", "infer"):
         assert f"| llama | 64×2 | 1x8 | default | {pass_} |" in md
     assert "error" not in md.split("|---|")[-1]
@@ -357,7 +359,8 @@ def test_judge_takes_the_tolerances_or_twice_stocks_own_distance():
 
 def test_arms_are_timed_in_turn_reversed_every_other_round():
     """Each round times every impl's steps, the impls in turn, in reverse order every other
-    round; a row gathers all of its impl's rounds."""
+    round, then one step of each impl in turn as many times; a row gathers all of its impl's
+    rounds."""
     log = []
 
     class FakeSteps:
@@ -373,11 +376,12 @@ def test_arms_are_timed_in_turn_reversed_every_other_round():
     arms = [mb.Arm(impl, FakeSteps(impl), contextlib.nullcontext, 0) for impl in ("stock", "patched")]
     sel = mb.Selection(steps=2, profile_steps=1, rounds=3, smoke=True)
     rows = mb.measure_arms(arms, "infer", sel, torch.device("cpu"))
-    per_round = 2 + 1  # timed + profiled steps
-    order = [log[i] for i in range(0, len(log), per_round)]
-    assert order == ["stock", "patched", "patched", "stock", "stock", "patched"]
-    assert {impl: (r["steps"], r["rounds"], r["profile_steps"]) for impl, r in rows.items()} == {
-        "stock": (6, 3, 3), "patched": (6, 3, 3)}
+    def round_of(first, second):  # 2 timed + 1 profiled step each, then 2 turns of alternating steps
+        return [first] * 3 + [second] * 3 + [first, second] * 2
+
+    assert log == round_of("stock", "patched") + round_of("patched", "stock") + round_of("stock", "patched")
+    assert {impl: (r["steps"], r["rounds"], r["profile_steps"], len(r["step_ms_alternating"]))
+            for impl, r in rows.items()} == {"stock": (6, 3, 3, 6), "patched": (6, 3, 3, 6)}
 
 
 def _timed(rounds, kernels):
@@ -417,6 +421,32 @@ def test_paired_step_ratio_takes_the_median_of_each_rounds_ratio():
     assert mb.paired_step_ratio({"step_ms": 1.0}, stock) is None  # a file from before the rounds
 
 
+def test_alternating_step_ratio_pairs_each_step_with_stocks_step_of_the_same_turn():
+    stock = {"step_ms_alternating": [1.0, 3.0, 3.0, 1.0]}
+    # Each turn's ratio 1.1, 1.0, 1.1, 0.9: the median 1.05; the medians of the steps (3.3/2.0) would say 1.65.
+    assert mb.alternating_step_ratio({"step_ms_alternating": [1.1, 3.0, 3.3, 0.9]}, stock) == 1.05
+    assert mb.alternating_step_ratio({"step_ms_alternating": [1.0]}, stock) is None  # other turns
+    assert mb.alternating_step_ratio({"step_ms": 1.0}, stock) is None  # a file from before the field
+
+
+def test_alternating_steps_take_each_arm_in_turn_in_its_context():
+    calls = []
+
+    def arm(name):
+        @contextlib.contextmanager
+        def context():
+            calls.append(f"enter {name}")
+            yield
+            calls.append(f"exit {name}")
+
+        return (lambda: calls.append(f"step {name}")), (lambda: calls.append(f"before {name}")), context
+
+    times = mb.time_alternating([arm("a"), arm("b")], 2, torch.device("cpu"))
+    assert [len(t) for t in times] == [2, 2] and all(v >= 0 for t in times for v in t)
+    turn = ["enter a", "before a", "step a", "exit a", "enter b", "before b", "step b", "exit b"]
+    assert calls == turn * 2
+
+
 def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
     """``bench-models --rederive FILE`` recomputes the ratio of a file's rows against their
     run's stock row and writes the file's JSON and Markdown again."""
@@ -426,6 +456,8 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
         row.pop("step_ratio_paired", None)
         row["gpu_ms_rounds"] = [2.0] if row["impl"] == "stock" else [1.0]
         row["step_ms_rounds"] = [4.0] if row["impl"] == "stock" else [1.0]
+        row.pop("step_ratio_alternating", None)
+        row["step_ms_alternating"] = [4.0, 4.0] if row["impl"] == "stock" else [1.0, 2.0]
         # No library kernels to count at stock's time (on a GPU the smoke run records real ones).
         row["kernels"], row["top_kernels"] = {}, {}
         if row["impl"] == "patched":  # as a GPU run records them: 4 residual sites at 1x8 tokens
@@ -441,6 +473,8 @@ def test_rederive_adds_the_ratio_to_a_results_file(tmp_path, smoke):
         "stock": None, **{i: 0.5 for i in {r["impl"] for r in rows} - {"stock"}}}
     assert {r["impl"]: r.get("step_ratio_paired") for r in rows if r["pass"] == "train"} == {
         "stock": None, **{i: 0.25 for i in {r["impl"] for r in rows} - {"stock"}}}
+    assert {r["impl"]: r.get("step_ratio_alternating") for r in rows if r["pass"] == "train"} == {
+        "stock": None, **{i: 0.375 for i in {r["impl"] for r in rows} - {"stock"}}}
     assert "library kernels at stock's" in path.with_suffix(".md").read_text()
     patched = [r for r in rows if r["impl"] == "patched"]
     assert patched and all(r["ours_us"] == 2.0 and r["ours_floor_bytes"] > 0 for r in patched)

@@ -47,6 +47,15 @@ What each number is:
   spread over 2× within a run and its median moves between runs by more than the
   impls differ, while the impls of one round run next to each other: this ratio
   is the step comparison to read there.
+- ``step_ms_alternating``: after each round's windows, ``steps`` more steps of
+  every impl, one step of each in turn (stock, patched, stock, patched, ...,
+  in the round's order), with nothing synchronized between them; each step's
+  time as ``step_ms`` times it. ``step_ratio_alternating`` (rows other than
+  stock's): the median over those turns of the row's step over stock's step of
+  the same turn (``alternating_step_ratio``). The host's state moves a host-bound
+  step's time from one window to the next (1.7 against 3.2 ms a step within
+  one run at 1×16 tokens, ``profiling/results/models/2026-12-04-h200-models-refresh/``);
+  two steps a few milliseconds apart share it.
 - ``gpu_ms``: GPU time per step: the sum of the device durations of every
   kernel, memset and memcpy over a ``torch.profiler`` window, divided by its
   steps; idle gaps are not counted. The median of the rounds' windows;
@@ -596,6 +605,36 @@ def time_steps(step: Callable[[], object], before: Callable[[], None], n: int, d
     return times
 
 
+def time_alternating(arms: Sequence[tuple[Callable[[], object], Callable[[], None], StepContext]], n: int,
+                     device: torch.device) -> list[list[float]]:
+    """Milliseconds of ``n`` steps of each arm (``(step, before, context)``), one step of each
+    arm after the other, ``n`` times over: arm 0, arm 1, ..., arm 0, arm 1, ... Each step runs
+    in its arm's context, ``before`` ahead of it untimed, timed as ``time_steps`` times it; no
+    synchronization between steps on CUDA. Returns each arm's times in order."""
+    cuda = device.type == "cuda"
+    times: list[list[float]] = [[] for _ in arms]
+    events = []
+    for _ in range(n):
+        for i, (step, before, context) in enumerate(arms):
+            with context():
+                before()
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    step()
+                    end.record()
+                    events.append((i, start, end))
+                else:
+                    t0 = time.perf_counter()
+                    step()
+                    times[i].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize(device)
+        for i, start, end in events:
+            times[i].append(start.elapsed_time(end))
+    return times
+
+
 def profile_window(step: Callable[[], object], before: Callable[[], None], n: int, device: torch.device) -> dict:
     """Profile ``n`` steps. On CUDA: ``gpu_ms`` (all device kernels, memsets and memcpys per step),
     ``norm_kernels`` and the ``top_kernels`` by time. Elsewhere the norm ``kernels`` are our
@@ -773,8 +812,10 @@ def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.
     round_ms: dict[str, list[float]] = {a.impl: [] for a in arms}
     profiles: dict[str, list[dict]] = {a.impl: [] for a in arms}
     peak: dict[str, int] = {a.impl: 0 for a in arms}
+    alternating: dict[str, list[float]] = {a.impl: [] for a in arms}
     for r in range(sel.rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
+        order = arms if r % 2 == 0 else arms[::-1]
+        for arm in order:
             step, before = _step_fns(arm.steps, pass_)
             with arm.step_context():
                 if device.type == "cuda":
@@ -788,11 +829,17 @@ def measure_arms(arms: Sequence[Arm], pass_: str, sel: Selection, device: torch.
                 if device.type == "cuda":
                     peak[arm.impl] = max(peak[arm.impl], torch.cuda.max_memory_allocated(device) - held)
             arm.steps.clear_grads()
+        if len(arms) > 1:
+            timed = time_alternating([(*_step_fns(a.steps, pass_), a.step_context) for a in order], sel.steps, device)
+            for arm, t in zip(order, timed):
+                alternating[arm.impl] += [round(v, 4) for v in t]
+                arm.steps.clear_grads()
     out = {}
     for arm in arms:
         t = times[arm.impl]
         row = {"step_ms": round(statistics.median(t), 4), "step_ms_min": round(min(t), 4),
                "step_ms_max": round(max(t), 4), "step_ms_rounds": round_ms[arm.impl], "steps": len(t),
+               **({"step_ms_alternating": alternating[arm.impl]} if alternating[arm.impl] else {}),
                "rounds": sel.rounds,
                "profile_steps": sel.profile_steps * sel.rounds, **merge_profiles(profiles[arm.impl])}
         if device.type == "cuda":
@@ -862,6 +909,17 @@ def paired_step_ratio(row: dict, reference: dict) -> float | None:
     the same round (None without both impls' rounds): the impls of a round run next to each
     other, so the host's and the GPU clock's drift over the run cancels in each round's ratio."""
     mine, theirs = row.get("step_ms_rounds"), reference.get("step_ms_rounds")
+    if not mine or not theirs or len(mine) != len(theirs):
+        return None
+    return round(statistics.median(a / b for a, b in zip(mine, theirs)), 4)
+
+
+def alternating_step_ratio(row: dict, reference: dict) -> float | None:
+    """The median over ``row``'s alternating steps (``step_ms_alternating``) of each step's time
+    over ``reference``'s step of the same turn (None without both impls' alternating steps). Two
+    steps of a turn run one right after the other, so the host's state, which moves a host-bound
+    step by 2× from one window to the next, weighs on both alike."""
+    mine, theirs = row.get("step_ms_alternating"), reference.get("step_ms_alternating")
     if not mine or not theirs or len(mine) != len(theirs):
         return None
     return round(statistics.median(a / b for a, b in zip(mine, theirs)), 4)
@@ -1023,6 +1081,7 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
                 if stock is not None and arm.impl != "stock":
                     row["gpu_ratio_library_at_stock"] = gpu_ratio_library_at_reference(row, stock)
                     row["step_ratio_paired"] = paired_step_ratio(row, stock)
+                    row["step_ratio_alternating"] = alternating_step_ratio(row, stock)
             emit(row)
             _log(f"{label} {arm.impl}: " + _summary(row))
 
@@ -1191,6 +1250,7 @@ def markdown(result: dict) -> str:
     head = ["model", "hidden×layers", "tokens", "mode", "pass"]
     head += [f"{i} ms" for i in impls] + [f"{i}/stock" for i in others]
     head += [f"{i}/stock paired rounds" for i in others]
+    head += [f"{i}/stock alternating steps" for i in others]
     head += [f"{i} GPU ms" for i in impls] + [f"{i}/stock GPU" for i in others]
     head += [f"{i}/stock GPU, library kernels at stock's" for i in others]
     head += [f"{i} norm µs (%)" for i in impls] + ["ok"]
@@ -1211,6 +1271,7 @@ def markdown(result: dict) -> str:
         row += [_fmt(get(i, "step_ms"), ".3f") if "error" not in cell[i] else "error" for i in impls]
         row += [_ratio(get(i, "step_ms"), get("stock", "step_ms")) for i in others]
         row += [_fmt(get(i, "step_ratio_paired"), ".3f") for i in others]
+        row += [_fmt(get(i, "step_ratio_alternating"), ".3f") for i in others]
         row += [_fmt(get(i, "gpu_ms"), ".3f") for i in impls]
         row += [_ratio(get(i, "gpu_ms"), get("stock", "gpu_ms")) for i in others]
         row += [_fmt(get(i, "gpu_ratio_library_at_stock"), ".3f") for i in others]
@@ -1267,9 +1328,10 @@ def plot(result: dict, path: str) -> bool:
 
 
 def rederive(path: str) -> str:
-    """Recompute ``gpu_ratio_library_at_stock``, and ``step_ratio_paired`` where the rows hold
-    their rounds, for the rows of the results file ``path`` (each against the stock row of its
-    configuration from the same run), and the library kernels' floor (``ours_*``) from each
+    """Recompute ``gpu_ratio_library_at_stock``, and ``step_ratio_paired`` and
+    ``step_ratio_alternating`` where the rows hold their rounds and alternating steps, for the
+    rows of the results file ``path`` (each against the stock row of its configuration from the
+    same run), and the library kernels' floor (``ours_*``) from each
     row's ``norm_kernels``; write its .json, .md and .png again; returns the stem. For files
     written before the fields existed."""
     if not path.endswith(".json") or not os.path.isfile(path):
@@ -1286,6 +1348,9 @@ def rederive(path: str) -> str:
             paired = paired_step_ratio(row, stock)
             if paired is not None:
                 row["step_ratio_paired"] = paired
+            alternating = alternating_step_ratio(row, stock)
+            if alternating is not None:
+                row["step_ratio_alternating"] = alternating
         if "norm_kernels" in row and result.get("copy_GBs"):
             spec = ModelSpec(row["model"], row["hidden"], row["layers"], row["intermediate"], row["heads"],
                              row["kv_heads"], row["head_dim"], row["vocab"])
