@@ -54,7 +54,7 @@ What each number is:
   stock's): the median over those turns of the row's step over stock's step of
   the same turn (``alternating_step_ratio``). The host's state moves a host-bound
   step's time from one window to the next (1.7 against 3.2 ms a step within
-  one run at 1×16 tokens, ``profiling/results/models/2026-12-04-h200-models-refresh/``);
+  one run at 1×16 tokens, ``profiling/results/models/2026-12-04-h200-models-4x2048-1x16/``);
   two steps a few milliseconds apart share it.
 - ``gpu_ms``: GPU time per step: the sum of the device durations of every
   kernel, memset and memcpy over a ``torch.profiler`` window, divided by its
@@ -587,30 +587,16 @@ def _sync(device: torch.device) -> None:
 def time_steps(step: Callable[[], object], before: Callable[[], None], n: int, device: torch.device) -> list[float]:
     """Milliseconds of each of ``n`` calls of ``step`` (``before`` runs ahead of each, untimed): CUDA
     events recorded on the stream around each step on CUDA, wall time elsewhere."""
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-        for start, end in events:
-            before()
-            start.record()
-            step()
-            end.record()
-        torch.cuda.synchronize(device)
-        return [start.elapsed_time(end) for start, end in events]
-    for _ in range(n):
-        before()
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_alternating([(step, before, contextlib.nullcontext)], n, device)[0]
 
 
 def time_alternating(arms: Sequence[tuple[Callable[[], object], Callable[[], None], StepContext]], n: int,
                      device: torch.device) -> list[list[float]]:
     """Milliseconds of ``n`` steps of each arm (``(step, before, context)``), one step of each
     arm after the other, ``n`` times over: arm 0, arm 1, ..., arm 0, arm 1, ... Each step runs
-    in its arm's context, ``before`` ahead of it untimed, timed as ``time_steps`` times it; no
-    synchronization between steps on CUDA. Returns each arm's times in order."""
+    in its arm's context, ``before`` ahead of it untimed; CUDA events recorded on the stream
+    around it on CUDA, with no synchronization between steps, wall time elsewhere. Returns each
+    arm's times in order."""
     cuda = device.type == "cuda"
     times: list[list[float]] = [[] for _ in arms]
     events = []
@@ -908,10 +894,7 @@ def paired_step_ratio(row: dict, reference: dict) -> float | None:
     """The median over rounds of ``row``'s median step time in a round over ``reference``'s in
     the same round (None without both impls' rounds): the impls of a round run next to each
     other, so the host's and the GPU clock's drift over the run cancels in each round's ratio."""
-    mine, theirs = row.get("step_ms_rounds"), reference.get("step_ms_rounds")
-    if not mine or not theirs or len(mine) != len(theirs):
-        return None
-    return round(statistics.median(a / b for a, b in zip(mine, theirs)), 4)
+    return _median_ratio(row.get("step_ms_rounds"), reference.get("step_ms_rounds"))
 
 
 def alternating_step_ratio(row: dict, reference: dict) -> float | None:
@@ -919,7 +902,11 @@ def alternating_step_ratio(row: dict, reference: dict) -> float | None:
     over ``reference``'s step of the same turn (None without both impls' alternating steps). Two
     steps of a turn run one right after the other, so the host's state, which moves a host-bound
     step by 2× from one window to the next, weighs on both alike."""
-    mine, theirs = row.get("step_ms_alternating"), reference.get("step_ms_alternating")
+    return _median_ratio(row.get("step_ms_alternating"), reference.get("step_ms_alternating"))
+
+
+def _median_ratio(mine: Sequence[float] | None, theirs: Sequence[float] | None) -> float | None:
+    """The median of ``mine[i] / theirs[i]``; None unless both are there, as many."""
     if not mine or not theirs or len(mine) != len(theirs):
         return None
     return round(statistics.median(a / b for a, b in zip(mine, theirs)), 4)
