@@ -21,7 +21,13 @@ against the float64 reference; ``dweight_rel_err`` (backward): dweight's, over i
 element.
 
 Run: ``python profiling/tune.py --out DIR [--jobs fwd:8192:4096,add_bwd:8192:2048:3,...] [--dtype bfloat16]
-[--wdtype float32] [--inductor] [--rounds R] [--table-only | --dw-columns | --prefetch]``; writes ``DIR/<tag>.json``.
+[--wdtype float32] [--inductor] [--inference] [--rounds R] [--table-only | --dw-columns | --prefetch]``; writes
+``DIR/<tag>.json``.
+
+A forward job times a training forward unless ``--inference``: ours writes rstd, and Inductor's
+figure (``inductor_fwd_train``) is its compiled forward graph for inputs that require grad, which
+saves what the backward reads. With ``--inference`` ours writes no rstd and Inductor's
+(``inductor_fwd``) runs under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class Job:
     dtype: torch.dtype
     wdtype: torch.dtype
     terms: int = 1  # tensors the backward's dy sums
+    store_rstd: bool = True  # forward jobs: write rstd, as a training forward does (False: an inference one)
 
     def __post_init__(self) -> None:
         if not 1 <= self.terms <= 3 or (self.terms > 1 and not self.backward):
@@ -158,7 +165,8 @@ def run_ours(job: Job, cfg: KernelConfig, item: dict) -> None:
     else:
         plan = dispatch.forward_plan(item["x"], item["w"], item["r"])
         plan = dataclasses.replace(plan, cfg=cfg, launcher=None)
-        launch.forward(plan, item["x"], item["w"], EPS, item["y"], item["rstd_out"], item["r"], item["h"])
+        launch.forward(plan, item["x"], item["w"], EPS, item["y"], item["rstd_out"] if job.store_rstd else None,
+                       item["r"], item["h"])
 
 
 def check(job: Job, item: dict) -> tuple[float, float | None]:
@@ -239,6 +247,11 @@ def _precompile(job: Job, cfgs: list[KernelConfig]) -> int:
 
 
 def inductor_us(job: Job, sets: Sets) -> float:
+    """GPU time of Inductor's compiled ``F.rms_norm`` (the residual add before it for ``add_*``
+    jobs) at ``job``. Its outputs rotate as ours do: each input set keeps the outputs of its last
+    step (and the gradients its backward wrote) until it comes round again, so that the caching
+    allocator cannot hand every step the block the step before wrote, lines of which L2 still
+    holds."""
     torch._dynamo.reset()
     n = job.n
 
@@ -249,22 +262,31 @@ def inductor_us(job: Job, sets: Sets) -> float:
 
     compiled = torch.compile(f, dynamic=False)
     items = sets.items
-    if not job.backward:
+    kept: list = [None] * len(items)
+    if not job.backward and not job.store_rstd:  # an inference forward
+        def infer(i):
+            kept[i] = None
+            kept[i] = compiled(items[i]["x"], items[i]["r"], items[i]["w"])
+
         with torch.no_grad():
-            return gpu_us(lambda i: compiled(items[i]["x"], items[i]["r"], items[i]["w"]), len(items))
+            return gpu_us(infer, len(items))
     leaves = [dict(x=it["x"].detach().requires_grad_(),
                    r=None if it["r"] is None else it["r"].detach().requires_grad_(),
                    w=it["w"].detach().requires_grad_()) for it in items]
 
     def step(i):
         lf, it = leaves[i], items[i]
-        out = compiled(lf["x"], lf["r"], lf["w"])
-        grads = (it["dy"],) if lf["r"] is None else (it["dy"], it["dres"])
-        outs = (out,) if lf["r"] is None else out
-        torch.autograd.backward(outs, grads)
+        kept[i] = None
         for t in lf.values():
             if t is not None:
                 t.grad = None
+        out = compiled(lf["x"], lf["r"], lf["w"])
+        if not job.backward:  # a training forward: the compiled forward graph, which saves what its backward reads
+            kept[i] = out
+            return
+        grads = (it["dy"],) if lf["r"] is None else (it["dy"], it["dres"])
+        outs = (out,) if lf["r"] is None else out
+        torch.autograd.backward(outs, grads)
 
     return gpu_us(step, len(items))
 
@@ -322,7 +344,7 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
         floor = per_set
         if job.backward:
             floor = (8 if job.residual else 5) * job.m * job.n * job.dtype.itemsize
-        key = "inductor_fwd_bwd" if job.backward else "inductor_fwd"
+        key = "inductor_fwd_bwd" if job.backward else "inductor_fwd" if not job.store_rstd else "inductor_fwd_train"
         out[key + "_us"] = us
         out[key + "_pct"] = floor / (us * 1e-6) / 1e9 / copy_gbs * 100
         line += f"  {key} {out[key + '_pct']:5.1f}% {us:8.2f}us"
@@ -349,7 +371,12 @@ def main() -> None:
     p.add_argument("--prefetch", action="store_true",
                    help="backward jobs: only the table's configuration and the candidates that load the next "
                         "tile ahead (KernelConfig.prefetch)")
-    p.add_argument("--inductor", action="store_true", help="also time Inductor's compiled F.rms_norm")
+    p.add_argument("--inductor", action="store_true",
+                   help="also time Inductor's compiled F.rms_norm (forward jobs: its training forward, the "
+                        "compiled forward graph of inputs that require grad, as ours writes rstd)")
+    p.add_argument("--inference", action="store_true",
+                   help="forward jobs as an inference forward: ours without the rstd store, Inductor's under "
+                        "torch.no_grad()")
     p.add_argument("--dry-run", action="store_true", help="CPU through the Triton interpreter: checks, no timings")
     args = p.parse_args()
     global DEVICE
@@ -371,7 +398,7 @@ def main() -> None:
     for spec in args.jobs.split(","):
         pass_name, m, n, *terms = spec.split(":")
         job = Job(pass_name, int(m), int(n), getattr(torch, args.dtype), getattr(torch, args.wdtype),
-                  int(terms[0]) if terms else 1)
+                  int(terms[0]) if terms else 1, store_rstd=not args.inference)
         # The configuration dispatch runs at this M (fewer rows per program where M is small).
         if job.backward:
             cfg = backward_config(job.n, job.dtype, job.m)

@@ -93,6 +93,67 @@ def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
                 assert row["dweight_rel_err"] < 1e-5, row
 
 
+@pytest.mark.parametrize("pass_name, store_rstd", [("fwd", False), ("fwd", True), ("add_bwd", True)])
+def test_tune_keeps_inductors_outputs_until_their_input_set_comes_round(monkeypatch, pass_name, store_rstd):
+    """``tune.inductor_us`` keeps what each input set's step wrote (a forward's outputs, the
+    gradients a backward wrote) until that set's next step, as ours are written into tensors of each set: the caching
+    allocator cannot hand a step the block the step before wrote. A forward job runs under
+    ``no_grad`` as an inference forward, else with inputs that require grad."""
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import tune
+    finally:
+        sys.path.remove(os.path.join(ROOT, "profiling"))
+    import weakref
+
+    monkeypatch.setattr(tune, "DEVICE", "cpu")
+    job = tune.Job(pass_name, 4, 8, torch.float32, torch.float32, store_rstd=store_rstd)
+    sets = tune.Sets(job, 3)
+    steps = []
+
+    def compile_(f, **kwargs):
+        def run(x, r, w):
+            # what every earlier step wrote (a forward's outputs, a backward's gradients) is alive
+            for _, outs, grad in steps:
+                if job.backward:
+                    assert grad() is not None, "an earlier step's gradient was freed"
+                else:
+                    assert all(o() is not None for o in outs), "an earlier step's output was freed"
+            assert torch.is_grad_enabled() == (job.backward or store_rstd)
+            assert x.requires_grad == torch.is_grad_enabled()
+            out = f(x, r, w)
+            outs = out if isinstance(out, tuple) else (out,)
+            steps.append((x, [weakref.ref(o) for o in outs], lambda x=x: x.grad))
+            return out
+
+        return run
+
+    monkeypatch.setattr(tune.torch, "compile", compile_)
+    assert tune.inductor_us(job, sets) == 1.0  # CPU: the warm-up steps, no timing
+    assert len(steps) == 3 and len({id(x) for x, *_ in steps}) == 3
+    if job.backward:
+        assert all(x.grad is not None for x, *_ in steps)
+
+
+def test_forward_prefetch_probe_computes_the_norm(device):
+    """``profiling/fwd_prefetch_probe.py``'s persistent kernel computes
+    rms_norm(x) * w for every row, where tiles and grid leave a partial last tile and programs
+    with one tile more than others, with the next tile loaded either way."""
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import fwd_prefetch_probe as probe
+    finally:
+        sys.path.remove(os.path.join(ROOT, "profiling"))
+    g = torch.Generator().manual_seed(0)
+    for m, n, rows, pps, ahead in ((37, 64, 2, 2, True), (37, 48, 1, 1, False), (64, 64, 4, 1, True)):
+        x = torch.randn(m, n, generator=g, dtype=torch.bfloat16).to(device)
+        w = (torch.rand(n, generator=g) + 0.5).to(device, torch.bfloat16)
+        y = torch.full_like(x, float("nan"))
+        probe.run_probe(x, w, y, rows, 1, pps, ahead)
+        want = torch.nn.functional.rms_norm(x.float(), (n,), w.float(), probe.EPS)
+        torch.testing.assert_close(y.float(), want, **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_table_fits_in_registers(merge):
     """``profiling/resource_usage.py`` compiles the table's configurations for the H200 without a
