@@ -89,7 +89,8 @@ def test_smoke_run_writes_markdown_and_chart(smoke):
     path, result, stdout = smoke
     md = path.with_suffix(".md").read_text()
     assert "| model | hidden×layers | tokens | mode | pass | stock ms | patched ms |" in md
-    assert "| patched/stock |" in md and "| patched/stock paired rounds | patched/stock alternating steps |" in md
+    # each ratio column per impl (with Liger installed, its columns follow patched's of each kind)
+    assert all(f"| patched/stock{kind} |" in md for kind in ("", " paired rounds", " alternating steps"))
     for pass_ in ("train", "infer"):
         assert f"| llama | 64×2 | 1x8 | default | {pass_} |" in md
     assert "error" not in md.split("|---|")[-1]
