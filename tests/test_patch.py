@@ -173,6 +173,25 @@ def test_swaps_torch_and_llama_style_keeps_parameters(device):
     optimizer.step()  # the optimizer built before the patch updates the live parameters
 
 
+def test_a_module_held_in_several_places_is_swapped_and_restored_at_each(device):
+    """A norm under two attributes of one parent (which ``named_children`` lists once) and a
+    block shared by several parents: every attribute gets the one patched module, the report
+    lists it once, and ``unpatch_rmsnorm`` puts the original back everywhere, counting it once."""
+    norm = nn.RMSNorm(8).to(device)
+    block = nn.Sequential(nn.Linear(8, 8), nn.RMSNorm(8)).to(device)
+    model = nn.ModuleDict(dict(a=norm, b=norm, c=block, d=nn.Sequential(block)))
+    report = T.patch_rmsnorm(model)
+    assert [name for name, *_ in report.swapped] == ["a", "c.1"] and not report.skipped, report
+    assert isinstance(model["a"], T.PatchedRMSNorm) and model["b"] is model["a"]
+    assert isinstance(block[1], T.PatchedRMSNorm) and model["d"][0] is block
+    x = torch.randn(3, 8, device=device)
+    with T.fallback_policy("reference"):
+        torch.testing.assert_close(model["b"](x), torch.nn.functional.rms_norm(x, (8,), norm.weight, norm.eps))
+    assert T.unpatch_rmsnorm(model) == 2
+    assert model["a"] is norm and model["b"] is norm and isinstance(block[1], nn.RMSNorm)
+    assert not any(isinstance(m, T.PatchedRMSNorm) for _, m in model.named_modules(remove_duplicate=False))
+
+
 def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     model = nn.Sequential(GemmaStyleRMSNorm(16), LooksLikeLlamaButIsNot(16), Qwen2RMSNorm(16), nn.LayerNorm(16),
                           Olmo2StyleRMSNorm(16), T5StyleLayerNorm(16), CustomLayerNorm(16)).to(device)

@@ -112,10 +112,13 @@ def _replacement(module: nn.Module, cache: dict) -> tuple[PatchedRMSNorm | None,
 
 
 def _named_children_recursive(model: nn.Module) -> Iterator[tuple[str, nn.Module, str, nn.Module]]:
-    """(qualified name, parent, attribute, child) for every submodule, parents first."""
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for attr, child in parent.named_children():
-            yield (f"{parent_name}.{attr}" if parent_name else attr), parent, attr, child
+    """(qualified name, parent, attribute, child) for every submodule, parents first: every
+    attribute that holds it, also where one module sits under two attributes of one parent
+    (``named_children`` lists such a module once) or under several parents."""
+    for name, child in model.named_modules(remove_duplicate=False):
+        if name:
+            parent_name, _, attr = name.rpartition(".")
+            yield name, model.get_submodule(parent_name), attr, child
 
 
 def patch_rmsnorm(model: nn.Module) -> PatchReport:
@@ -155,13 +158,15 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
 
 
 def unpatch_rmsnorm(model: nn.Module) -> int:
-    """Put every original module back where ``patch_rmsnorm`` swapped it; returns how many."""
-    count = 0
+    """Put every original module back where ``patch_rmsnorm`` swapped it, at every attribute
+    that holds the patched module; returns how many patched modules were undone (a module
+    held in several places counts once, as ``PatchReport.swapped`` lists it once)."""
+    undone: set[int] = set()
     for _, parent, attr, child in list(_named_children_recursive(model)):
         if isinstance(child, PatchedRMSNorm):
             setattr(parent, attr, child.original)
-            count += 1
-    return count
+            undone.add(id(child))
+    return len(undone)
 
 
 @contextlib.contextmanager
