@@ -82,13 +82,6 @@ def run_probe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: int, warp
                           num_warps=warps)
 
 
-def copy_ceiling() -> float:
-    """GB/s of a 2 GiB bf16 ``copy_``, read and write counted."""
-    src = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16).normal_()
-    dst = torch.empty_like(src)
-    return 4 * (1 << 30) / (tune.gpu_us(lambda i: dst.copy_(src), 1) * 1e-6) / 1e9
-
-
 def probe_shape(m: int, n: int, copy_gbs: float) -> dict:
     """GPU time (us) and % of copy at M x N: the table's forward, Inductor's, a ``copy_`` of the
     bytes and every candidate of the probe kernel."""
@@ -142,7 +135,7 @@ def main() -> None:
     p.add_argument("--shapes", default="8192x2048,16384x2048,2048x8192,8192x8192,8192x4096,2048x4096,8192x7168")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    copy_gbs = copy_ceiling()
+    copy_gbs = tune.copy_ceiling()
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_gbs=copy_gbs, shapes=[])
     for shape in a.shapes.split(","):

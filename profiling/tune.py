@@ -291,6 +291,13 @@ def inductor_us(job: Job, sets: Sets) -> float:
     return gpu_us(step, len(items))
 
 
+def copy_ceiling() -> float:
+    """The copy ceiling in GB/s: a 2 GiB bf16 ``copy_`` on the GPU, read and write counted."""
+    src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 4 * (1 << 30) / (gpu_us(lambda i: dst.copy_(src), 1) * 1e-6) / 1e9
+
+
 def precompile(jobs: list[tuple[Job, list[KernelConfig]]], workers: int) -> None:
     """Compile every job's candidates in ``workers`` processes (Triton caches them on disk)."""
     tasks = [(job, cfgs[i::workers]) for job, cfgs in jobs for i in range(min(workers, len(cfgs)))]
@@ -384,12 +391,7 @@ def main() -> None:
         DEVICE = "cpu"
         args.workers = 1
     os.makedirs(args.out, exist_ok=True)
-    copy_gbs = 1.0
-    if DEVICE == "cuda":
-        src = torch.randn(1 << 30, device=DEVICE, dtype=torch.bfloat16)
-        dst = torch.empty_like(src)
-        copy_gbs = 4 * (1 << 30) / (gpu_us(lambda i: dst.copy_(src), 1) * 1e-6) / 1e9
-        del src, dst
+    copy_gbs = copy_ceiling() if DEVICE == "cuda" else 1.0
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (interpreter dry run)"
     print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}; copy ceiling {copy_gbs:.0f} GB/s",
           flush=True)
