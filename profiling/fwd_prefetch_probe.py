@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tune  # noqa: E402
 
-from torch_rmsnorm_op import dispatch, launch  # noqa: E402
+from torch_rmsnorm_op import dispatch  # noqa: E402
 
 EPS = 1e-6
 
@@ -83,31 +83,22 @@ def run_probe(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: int, warp
 
 
 def probe_shape(m: int, n: int, copy_gbs: float) -> dict:
-    """GPU time (us) and % of copy at M x N: the table's forward, Inductor's, a ``copy_`` of the
-    bytes and every candidate of the probe kernel."""
-    floor = 2 * m * n * 2
+    """GPU time (us) and % of copy at M x N: the table's forward, Inductor's (``tune.inductor_us``),
+    a ``copy_`` of the bytes and every candidate of the probe kernel, over ``tune.Sets``' rotating
+    inputs and outputs."""
+    job = tune.Job("fwd", m, n, torch.bfloat16, torch.bfloat16, store_rstd=False)
+    floor = job.floor_bytes()
     count = max(1, min(64, -(-tune.ROTATE_BYTES // floor)))
-    g = torch.Generator(device="cuda").manual_seed(0)
-    xs = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(count)]
-    w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
-    ys = [torch.empty_like(x) for x in xs]
-    want = torch.nn.functional.rms_norm(xs[0].float(), (n,), w.float(), EPS)
-    row = dict(m=m, n=n, us={})
-    plan = dispatch.forward_plan(xs[0], w)
-    row["table_cfg"] = str(plan.cfg)
-    row["us"]["table"] = tune.gpu_us(lambda i: launch.forward(plan, xs[i], w, EPS, ys[i], None), count)
-    compiled = torch.compile(lambda x: torch.nn.functional.rms_norm(x, (n,), w, EPS), dynamic=False)
-    kept = [None] * count  # outputs rotate as ys do (tune.inductor_us)
-
-    def inductor(i):
-        kept[i] = None
-        kept[i] = compiled(xs[i])
-
-    with torch.no_grad():
-        row["us"]["inductor"] = tune.gpu_us(inductor, count)
-    kept.clear()
-    pairs = [(torch.empty(m * n, device="cuda", dtype=torch.bfloat16).normal_(),
-              torch.empty(m * n, device="cuda", dtype=torch.bfloat16)) for _ in range(count)]
+    sets = tune.Sets(job, count)
+    items = sets.items
+    x, w, y = items[0]["x"], items[0]["w"], items[0]["y"]
+    want = torch.nn.functional.rms_norm(x.float(), (n,), w.float(), EPS)
+    cfg = dispatch.forward_plan(x, w).cfg
+    row = dict(m=m, n=n, table_cfg=str(cfg), us={})
+    row["us"]["table"] = tune.gpu_us(lambda i: tune.run_ours(job, cfg, items[i]), count)
+    row["us"]["inductor"] = tune.inductor_us(job, sets)
+    pairs = [(torch.empty(m * n, device=tune.DEVICE, dtype=torch.bfloat16).normal_(),
+              torch.empty(m * n, device=tune.DEVICE, dtype=torch.bfloat16)) for _ in range(count)]
     row["us"]["copy"] = tune.gpu_us(lambda i: pairs[i][1].copy_(pairs[i][0]), count)
     block = triton.next_power_of_2(n)
     for rows, warps, pps, ahead in itertools.product((1, 2, 4), (2, 4, 8, 16), (1, 2, 4, 8), (True, False)):
@@ -115,14 +106,15 @@ def probe_shape(m: int, n: int, copy_gbs: float) -> dict:
             continue
         key = f"r{rows}w{warps}p{pps}{'a' if ahead else 'c'}"
         try:
-            run_probe(xs[0], w, ys[0], rows, warps, pps, ahead)
+            run_probe(x, w, y, rows, warps, pps, ahead)
             torch.cuda.synchronize()
-            err = (ys[0].float() - want).abs().max().item()
+            err = (y.float() - want).abs().max().item()
             if err > 0.05:
                 print(f"{m}x{n} {key} wrong: {err}", flush=True)
                 continue
             c = (rows, warps, pps, ahead)
-            row["us"][key] = tune.gpu_us(lambda i, c=c: run_probe(xs[i], w, ys[i], *c), count)
+            row["us"][key] = tune.gpu_us(lambda i, c=c: run_probe(items[i]["x"], items[i]["w"], items[i]["y"], *c),
+                                         count)
         except Exception as e:  # noqa: BLE001 - an unbuildable candidate is a data point
             print(f"{m}x{n} {key} failed: {repr(e)[:120]}", flush=True)
     row["pct"] = {k: floor / (v * 1e-6) / 1e9 / copy_gbs * 100 for k, v in row["us"].items()}

@@ -96,9 +96,10 @@ def test_tune_dry_run_checks_every_candidate_and_writes_its_json(tmp_path):
 @pytest.mark.parametrize("pass_name, store_rstd", [("fwd", False), ("fwd", True), ("add_bwd", True)])
 def test_tune_keeps_inductors_outputs_until_their_input_set_comes_round(monkeypatch, pass_name, store_rstd):
     """``tune.inductor_us`` keeps what each input set's step wrote (a forward's outputs, the
-    gradients a backward wrote) until that set's next step, as ours are written into tensors of each set: the caching
-    allocator cannot hand a step the block the step before wrote. A forward job runs under
-    ``no_grad`` as an inference forward, else with inputs that require grad."""
+    gradients a backward wrote) until that set's next step, as ours are written into tensors of
+    each set: the caching allocator cannot hand a step the block the step before wrote. A
+    forward job runs under ``no_grad`` as an inference forward, else with inputs that require
+    grad."""
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
     try:
         import tune
@@ -136,9 +137,9 @@ def test_tune_keeps_inductors_outputs_until_their_input_set_comes_round(monkeypa
 
 
 def test_forward_prefetch_probe_computes_the_norm(device):
-    """``profiling/fwd_prefetch_probe.py``'s persistent kernel computes
-    rms_norm(x) * w for every row, where tiles and grid leave a partial last tile and programs
-    with one tile more than others, with the next tile loaded either way."""
+    """``profiling/fwd_prefetch_probe.py``'s persistent kernel computes rms_norm(x) * w for
+    every row, where tiles and grid leave a partial last tile and programs with one tile more
+    than others, with the next tile loaded either way."""
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
     try:
         import fwd_prefetch_probe as probe
