@@ -136,6 +136,16 @@ def _graph(f, *args):
 
 
 W = torch.rand(8) + 0.5
+ORDER = torch.tensor([3, 6, 0, 5, 1, 7, 2, 4])  # a mixture of experts' rows, back in token order
+
+
+def _experts(b: torch.Tensor) -> torch.Tensor:
+    """Mixtral's combine on b's rows: each row through 2 "experts", weighed, gathered back into
+    token order and summed over the experts (``grouped_mm_experts_forward``)."""
+    weighted = (torch.cat([b, b * 2.0]) * 0.5).masked_fill(torch.zeros(8, 1, dtype=torch.bool), 0.0)
+    return weighted[ORDER].view(4, 2, 8).sum(dim=1)
+
+
 
 
 @pytest.mark.parametrize("name,f,fused", [
@@ -157,6 +167,12 @@ W = torch.rand(8) + 0.5
      lambda a, b: (lambda p: (T.rms_norm(p + b * 3.0, (8,), W), p))(a * 2.0), False),
     ("two products, both read again",
      lambda a, b: (lambda p, q: (T.rms_norm(p + q, (8,), W), p, q))(a * 2.0, b * 3.0), True),
+    ("experts' combined output", lambda a, b: T.rms_norm(a + _experts(b).to(torch.float32), (8,), W), False),
+    ("experts' combined output read again",
+     lambda a, b: (lambda c: (T.rms_norm(a + c, (8,), W), c))(_experts(b)), True),
+    ("experts' output gathered, not summed", lambda a, b: T.rms_norm(a + (b * 0.5)[ORDER[:4] // 2], (8,), W), True),
+    ("a sum over the row's own dim", lambda a, b: T.rms_norm(a + (b * 0.5).repeat(1, 2).view(4, 8, 2).sum(-1),
+                                                             (8,), W), True),
 ])
 def test_what_is_rewritten(name, f, fused):
     """Only an out-of-place add of two tensors of one shape, in fp16/bf16/fp32, feeding the norm
@@ -175,6 +191,20 @@ def test_what_is_rewritten(name, f, fused):
     with T.fallback_policy("reference"):
         got = gm(*inputs)
     torch.testing.assert_close(got, want)
+
+
+def test_experts_combined_output_joins_the_fused_add_where_the_graph_is_differentiated():
+    """In a graph traced to be differentiated through the norm (a training step), the residual
+    add after a mixture of experts becomes ``rmsnorm.add_fwd``; in one that is not (inference),
+    the norm is left to Inductor with the experts' combine."""
+    f = lambda a, b: T.rms_norm(a + _experts(b), (8,), W)  # noqa: E731
+    b = torch.randn(4, 8)
+    gm, _ = _graph(f, torch.randn(4, 8, requires_grad=True), b)
+    assert fusion.fuse_residual_adds(gm.graph) == 1
+    with torch.no_grad():
+        gm, _ = _graph(f, torch.randn(4, 8, requires_grad=True), b)
+    assert fusion.fuse_residual_adds(gm.graph) == 0
+    assert fusion.decompose_epilogue_norms(gm.graph) == 1
 
 
 class _ResidualNorm(torch.nn.Module):
@@ -286,12 +316,17 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x + x.flip(0), (16,), W16), PROJ), False),
     ("after a scaled residual branch, then a projection",  # Granite's
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x.flip(0) + x * 0.25, (16,), W16), PROJ), True),
+    ("after a mixture of experts, then a projection",  # Mixtral's, Qwen3-MoE's
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(
+         x.flip(0) + (torch.cat([x, x * 2.0]) * 0.5)[torch.tensor([1, 2, 0, 3])].view(2, 2, 4, 3, 16).sum(1),
+         (16,), W16), PROJ), True),
 ])
 def test_which_norms_are_left_to_inductor(name, f, left):
     """Only a norm whose output nothing but elementwise ops (through views) reads, whose input
     is an embedding lookup (through views and elementwise ops), or whose input is a sum with a
-    term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch), is
-    replaced by torch ops; the graph computes what it computed before."""
+    term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch) or
+    a mixture of experts' combined output, is replaced by torch ops; the graph computes what it
+    computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -982,7 +1017,9 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 
 
 @pytest.mark.parametrize("config,model,left,joined", [
-    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 5, 0),  # q/k norms of 2 layers, the first input norm (embeddings)
+    ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 7, 0),  # q/k norms of 2 layers, the first input norm (embeddings),
+    # the norms after the experts (layer 1's input norm, the final norm)
+    ("MixtralConfig", "MixtralForCausalLM", 3, 0),  # the first input norm, the norms after the experts
     ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", 5, 0),  # q/k norms after RoPE, the first input norm
     ("Gemma3TextConfig", "Gemma3ForCausalLM", 5, 4),  # q/k norms, the first input norm (scaled embeddings); the
     # norms after attention and MLP join the residual add and the norm after it
@@ -996,8 +1033,9 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
 def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, model, left, joined, monkeypatch):
     """A patched, compiled 2-layer decoder of each family: as many norms left to Inductor as
     its code gives norms whose output only elementwise ops read, whose input is the embeddings
-    or whose input is RoPE's sum or Granite's scaled branch, and as many ``norm_add_fwd`` as it
-    has norms read only by a residual add that a norm reads; logits match the unpatched model."""
+    or whose input is RoPE's sum, Granite's scaled branch or the experts' combined output, and
+    as many ``norm_add_fwd`` as it has norms read only by a residual add that a norm reads;
+    logits match the unpatched model."""
     counts = []
     for name in ("fuse_norm_add_norms", "decompose_epilogue_norms"):
         real = getattr(fusion, name)

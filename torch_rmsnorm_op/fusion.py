@@ -28,9 +28,11 @@ tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat1
 whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
 a float eps under dynamic shapes, moves up before the add). Nor is a sum with a term that is
 an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's
-and MiniCPM's scaled branch ``residual + hidden * multiplier``): Inductor computes it in the
-kernel of that term, where the fused op would need the term written for it; the norm after it
-is left to Inductor (below). The fused op computes the sum as torch does (in
+and MiniCPM's scaled branch ``residual + hidden * multiplier``), or, in a graph not traced to
+be differentiated (inference), a mixture of experts' combined output (Mixtral's and
+Qwen3-MoE's weighted expert rows, gathered back into token order and summed): Inductor
+computes it in the kernel of that term, where the fused op would need the term written for it;
+the norm after it is left to Inductor (below). The fused op computes the sum as torch does (in
 fp32, rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it
 with the unfused op's kernel configuration, so y is too, except at N where
 the table keeps a rung for the forward without a residual (``plain`` in ``config.FWD_LADDER``:
@@ -69,7 +71,10 @@ that is an elementwise result nothing else reads: HunYuan's q/k norms, after RoP
 Inductor reads the heads once and writes the normalized ones and our op would read the rotated
 heads written for it (4 passes over the heads against 2, forward); Granite's norms after each
 scaled residual branch, where stock Inductor reads the branch and the residual and writes the
-sum and y, and the fused op would need the scaled branch written for it (6 passes against 4).
+sum and y, and the fused op would need the scaled branch written for it (6 passes against 4);
+and in inference the norms after a mixture of experts, where stock Inductor gathers, weighs and
+sums the experts' rows in the norm's kernel, and the fused op would need them summed by a kernel
+of its own, one launch more a layer.
 Any other norm stays ours: one whose output a projection's matmul, our ops or the graph's
 output reads, and, since the rewrite runs after the residual rewrite, one whose output feeds a
 fused add (Gemma's post-attention norms). Turn it off with
@@ -219,13 +224,68 @@ def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dim() == b.dim() and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape))
 
 
-def _pointwise_sum(node: object) -> bool:
-    """Whether ``node`` adds an elementwise result that nothing else reads to another tensor
-    (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's ``residual + hidden * multiplier``):
-    Inductor computes such a sum in the kernel of that term, and a norm after it in the same
-    kernel (``decompose_epilogue_norms``), where the fused op would need the term written for it."""
-    return isinstance(node, Node) and _is_add(node) and any(
-        isinstance(a, Node) and _is_pointwise(a) and len(a.users) == 1 for a in node.args)
+def _pointwise_sum(node: object, norm: Node) -> bool:
+    """Whether ``node``, which ``norm`` normalizes, adds to another tensor a term that Inductor
+    computes in the kernel that reads it, nothing else reading it: an elementwise result (RoPE's
+    ``q * cos + rotate_half(q) * sin``, Granite's ``residual + hidden * multiplier``), or, where
+    nothing differentiates the norm (``_differentiated``), a mixture of experts' combined output
+    (``_expert_combine``). Inductor computes such a sum in the kernel of that term, and a norm
+    after it in the same kernel (``decompose_epilogue_norms``), where the fused op would need
+    the term written for it."""
+    if not (isinstance(node, Node) and _is_add(node)):
+        return False
+    terms = [a for a in node.args if isinstance(a, Node) and len(a.users) == 1]
+    return any(_is_pointwise(a) for a in terms) or (
+        not _differentiated(norm) and any(_expert_combine(a) for a in terms))
+
+
+def _differentiated(norm: Node) -> bool:
+    """Whether the graph was traced to be differentiated through ``norm`` (its output requires
+    grad). Summed in the kernel that reads it, a mixture of experts' output saves a launch in
+    an inference forward; in a training step the norms so left to Inductor took more GPU time
+    than the fused add and ours (Mixtral, hidden 2048, 4x2048 tokens, on the H200: 1.009x
+    stock's GPU time against 0.996-0.998x; docs/performance.md, "Mixtures of experts")."""
+    value = _value(norm)
+    y = value[0] if isinstance(value, (tuple, list)) and value else value
+    return not isinstance(y, torch.Tensor) or y.requires_grad
+
+
+def _is_gather(node: Node) -> bool:
+    """Rows picked by an index tensor: ``t[index]`` (not a view), ``index_select``."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return not _basic_index(node.args[1])
+    return node.target in (torch.index_select, "index_select") and node.op in ("call_function", "call_method")
+
+
+def _leading_sum(node: Node) -> bool:
+    """A sum over dims that do not include the last (its rows stay whole rows)."""
+    if not ((node.op == "call_method" and node.target == "sum") or (node.op == "call_function"
+                                                                     and node.target is torch.sum)):
+        return False
+    dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+    source = _value(node.args[0]) if node.args and isinstance(node.args[0], Node) else None
+    if dims is None or not isinstance(source, torch.Tensor):
+        return False
+    dims = dims if isinstance(dims, (tuple, list)) else (dims,)
+    return all(isinstance(d, int) and d % source.dim() != source.dim() - 1 for d in dims)
+
+
+def _expert_combine(term: Node) -> bool:
+    """Whether ``term`` is, through views and dtype casts each read once, a sum over leading dims
+    (no row split) of elementwise results picked by index, each read once: a mixture of experts'
+    output, ``(expert_out * routing_weight)[inverse_order].view(tokens, top_k, hidden).sum(1)``
+    (Mixtral's and Qwen3-MoE's combine). Inductor gathers, weighs and sums the experts' rows in
+    the kernel that reads the result."""
+    node = term
+    while len(node.users) == 1 and (_is_view(node) or (_is_pointwise(node) and node.target == "to")) \
+            and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    if len(node.users) != 1 or not _leading_sum(node):
+        return False
+    node = node.args[0]
+    while len(node.users) == 1 and (_is_view(node) or _is_gather(node)) and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return len(node.users) == 1 and _is_pointwise(node)
 
 
 def _fusable(add: Node) -> bool:
@@ -292,7 +352,7 @@ def fuse_residual_adds(graph: Graph) -> int:
         if not _is_norm(norm) or not norm.args or not isinstance(norm.args[0], Node):
             continue
         add = norm.args[0]
-        if not _is_add(add) or _pointwise_sum(add) or not _fusable(add) or not _inputs_before(add, norm, order):
+        if not _is_add(add) or _pointwise_sum(add, norm) or not _fusable(add) or not _inputs_before(add, norm, order):
             continue
         args = (*add.args, *norm.args[1:])
         fake = _fake_call(torch.ops.rmsnorm.add_fwd.default, args, norm.kwargs)
@@ -377,10 +437,11 @@ _VIEW_METHODS = frozenset({"view", "reshape", "transpose", "permute", "unsqueeze
                            "contiguous", "unflatten", "chunk", "split", "narrow"})
 _VIEW_FUNCTIONS = frozenset({torch.transpose, torch.reshape, torch.permute, torch.unsqueeze, torch.squeeze,
                              torch.flatten, torch.chunk, torch.split, torch.narrow})
-_POINTWISE_METHODS = frozenset({"mul", "add", "sub", "neg", "div", "float", "half", "bfloat16", "type_as"})
+_POINTWISE_METHODS = frozenset({"mul", "add", "sub", "neg", "div", "float", "half", "bfloat16", "type_as",
+                                "masked_fill"})
 _POINTWISE_FUNCTIONS = frozenset({operator.mul, operator.add, operator.sub, operator.neg, operator.truediv,
                                   torch.mul, torch.add, torch.sub, torch.neg, torch.div, torch.cat,
-                                  torch.nn.functional.silu, torch.nn.functional.gelu})
+                                  torch.masked_fill, torch.nn.functional.silu, torch.nn.functional.gelu})
 
 
 def _basic_index(index: object) -> bool:
@@ -479,7 +540,8 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     RoPE), whose input is an embedding lookup (the first decoder layer's input norm: the
     gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
     input is a sum with a term that is an elementwise result nothing else reads (HunYuan's q/k
-    norms, after RoPE; Granite's norms after its scaled residual branches); returns how many.
+    norms, after RoPE; Granite's norms after its scaled residual branches) or, in inference, a
+    mixture of experts' combined output (``_pointwise_sum``); returns how many.
     Every other norm stays as it is."""
     count = 0
     for norm in list(graph.nodes):
@@ -489,7 +551,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
         if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(norm.args[0])
-                or _pointwise_sum(norm.args[0])):
+                or _pointwise_sum(norm.args[0], norm)):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
