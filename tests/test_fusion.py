@@ -170,6 +170,8 @@ def _experts(b: torch.Tensor) -> torch.Tensor:
     ("experts' combined output", lambda a, b: T.rms_norm(a + _experts(b).to(torch.float32), (8,), W), False),
     ("experts' combined output read again",
      lambda a, b: (lambda c: (T.rms_norm(a + c, (8,), W), c))(_experts(b)), True),
+    ("experts' combined output plus a shared expert's",  # Qwen2-MoE's
+     lambda a, b: T.rms_norm(a + (_experts(b) + b * 0.25).reshape(4, 8), (8,), W), False),
     ("experts' output gathered, not summed", lambda a, b: T.rms_norm(a + (b * 0.5)[ORDER[:4] // 2], (8,), W), True),
     ("a sum over the row's own dim", lambda a, b: T.rms_norm(a + (b * 0.5).repeat(1, 2).view(4, 8, 2).sum(-1),
                                                              (8,), W), True),
@@ -1020,6 +1022,7 @@ def test_cuda_qwen3_head_norms_fuse_with_rope():
     ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", 7, 0),  # q/k norms of 2 layers, the first input norm (embeddings),
     # the norms after the experts (layer 1's input norm, the final norm)
     ("MixtralConfig", "MixtralForCausalLM", 3, 0),  # the first input norm, the norms after the experts
+    ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", 3, 0),  # the same, the experts' output with a shared expert's
     ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", 5, 0),  # q/k norms after RoPE, the first input norm
     ("Gemma3TextConfig", "Gemma3ForCausalLM", 5, 4),  # q/k norms, the first input norm (scaled embeddings); the
     # norms after attention and MLP join the residual add and the norm after it

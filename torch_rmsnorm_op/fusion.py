@@ -29,8 +29,8 @@ whose result feeds the norm directly (a scalar computed between the two, as Dyna
 a float eps under dynamic shapes, moves up before the add). Nor is a sum with a term that is
 an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's
 and MiniCPM's scaled branch ``residual + hidden * multiplier``), or, in a graph not traced to
-be differentiated (inference), a mixture of experts' combined output (Mixtral's and
-Qwen3-MoE's weighted expert rows, gathered back into token order and summed): Inductor
+be differentiated (inference), a mixture of experts' combined output (Mixtral's, Qwen3-MoE's
+and Qwen2-MoE's weighted expert rows, gathered back into token order and summed): Inductor
 computes it in the kernel of that term, where the fused op would need the term written for it;
 the norm after it is left to Inductor (below). The fused op computes the sum as torch does (in
 fp32, rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it
@@ -274,12 +274,15 @@ def _expert_combine(term: Node) -> bool:
     """Whether ``term`` is, through views and dtype casts each read once, a sum over leading dims
     (no row split) of elementwise results picked by index, each read once: a mixture of experts'
     output, ``(expert_out * routing_weight)[inverse_order].view(tokens, top_k, hidden).sum(1)``
-    (Mixtral's and Qwen3-MoE's combine). Inductor gathers, weighs and sums the experts' rows in
-    the kernel that reads the result."""
+    (Mixtral's and Qwen3-MoE's combine), or such a sum plus a tensor (Qwen2-MoE's shared expert,
+    ``(combine + shared).reshape(batch, seq, hidden)``). Inductor gathers, weighs and sums the
+    experts' rows in the kernel that reads the result."""
     node = term
     while len(node.users) == 1 and (_is_view(node) or (_is_pointwise(node) and node.target == "to")) \
             and node.args and isinstance(node.args[0], Node):
         node = node.args[0]
+    if len(node.users) == 1 and _is_add(node):
+        return any(len(a.users) == 1 and _expert_combine(a) for a in node.args)
     if len(node.users) != 1 or not _leading_sum(node):
         return False
     node = node.args[0]
