@@ -155,6 +155,32 @@ def test_forward_prefetch_probe_computes_the_norm(device):
         torch.testing.assert_close(y.float(), want, **TOL[torch.bfloat16])
 
 
+def test_forward_weight_schedule_probe_computes_the_norm(device):
+    """``profiling/fwd_weight_schedule_probe.py``'s kernel gives rms_norm(x) * w under every
+    variant, over tiles that leave a partial last tile and masked columns, and rstd where the
+    variant stores it."""
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import fwd_weight_schedule_probe as probe
+    finally:
+        sys.path.remove(os.path.join(ROOT, "profiling"))
+    from torch_rmsnorm_op.config import KernelConfig
+
+    g = torch.Generator().manual_seed(0)
+    for m, n, cfg in ((37, 48, KernelConfig(64, 2, 1)), (32, 64, KernelConfig(64, 4, 1, mask_free=True))):
+        x = torch.randn(m, n, generator=g, dtype=torch.bfloat16).to(device)
+        w = (torch.rand(n, generator=g) + 0.5).to(device, torch.bfloat16)
+        want = torch.nn.functional.rms_norm(x.float(), (n,), w.float(), probe.EPS)
+        for variant, (_, _, store) in probe.VARIANTS.items():
+            item = dict(x=x, w=w, y=torch.full_like(x, float("nan")),
+                        rstd_out=torch.full((m,), float("nan"), device=device))
+            probe.run_variant(item, cfg, variant, m, n)
+            torch.testing.assert_close(item["y"].float(), want, **TOL[torch.bfloat16])
+            if store:
+                rstd = torch.rsqrt(x.float().pow(2).mean(-1) + probe.EPS)
+                torch.testing.assert_close(item["rstd_out"], rstd)
+
+
 @pytest.mark.parametrize("merge", [False, True])
 def test_table_fits_in_registers(merge):
     """``profiling/resource_usage.py`` compiles the table's configurations for the H200 without a
