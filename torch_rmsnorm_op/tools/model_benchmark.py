@@ -125,9 +125,9 @@ What each number is:
   moves a model at all). In a mixture of experts (``mixtral``, ``qwen3_moe``)
   a rounding that moves one router logit can send a token to another expert,
   so compiling alone moves bf16 logits and gradients past those tolerances
-  (stock against eager on the H200, 4x2048 tokens: logits 0.11-0.18, gradients 0.16-0.22
-  relative L2); there stock's row is marked as differing and the patched row
-  is held to stock's own distance.
+  (stock against eager on the H200, 4x2048 tokens: logits 0.11-0.18,
+  gradients 0.16-0.22 relative L2); there stock's row is marked as differing
+  and the patched row is held to stock's own distance.
 
 Also in each row: the model's shape (``intermediate``, ``heads``,
 ``kv_heads``, ``head_dim``, ``vocab``), ``norm_modules`` (RMSNorm modules in
