@@ -67,6 +67,13 @@ FAMILIES = {
         experts_implementation="batched_mm"), {"llama": 9}, None, True),
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(residual_multiplier=0.5, embedding_multiplier=2.0),
                 {"llama": 3}, None, True),
+    # Mixtures of experts after Mistral's and Qwen3's attention: the residual add after the experts
+    # is fused where the graph is differentiated (test_family_under_inductor), left to Inductor
+    # with the experts' sum where it is not (tests/test_fusion.py).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                experts_implementation="batched_mm"), {"llama": 3}, None, True),  # as DeepSeek V3's, above
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, experts_implementation="batched_mm"), {"llama": 5}, None, True),
     # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layer
     # (forward(hidden_states, gate): skipped); compiled under Inductor only, since aot_eager's
     # backward of the unpatched model's linear attention fails a view (torch 2.13).
@@ -171,7 +178,8 @@ def _assert_compiles(model, inputs, want, calls, patched):
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
+                                    "qwen3_moe"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
