@@ -88,7 +88,7 @@ def probe_shape(m: int, n: int, copy_gbs: float) -> dict:
     inputs and outputs."""
     job = tune.Job("fwd", m, n, torch.bfloat16, torch.bfloat16, store_rstd=False)
     floor = job.floor_bytes()
-    count = max(1, min(64, -(-tune.ROTATE_BYTES // floor)))
+    count = tune.set_count(job)
     sets = tune.Sets(job, count)
     items = sets.items
     x, w, y = items[0]["x"], items[0]["w"], items[0]["y"]

@@ -93,7 +93,7 @@ def run_variant(item: dict, cfg, variant: str, m: int, n: int) -> None:
 def probe_shape(m: int, n: int) -> dict:
     """GPU time (µs) of the table's forward and of every variant at M x N, bf16, no rstd."""
     job = tune.Job("fwd", m, n, torch.bfloat16, torch.bfloat16, store_rstd=False)
-    count = max(1, min(64, -(-tune.ROTATE_BYTES // job.floor_bytes())))
+    count = tune.set_count(job)
     items = tune.Sets(job, count).items
     cfg = dispatch.forward_plan(items[0]["x"], items[0]["w"]).cfg
     row = {"cfg": str(cfg)}

@@ -137,6 +137,12 @@ class Job:
         return reads_writes * self.m * self.n * e
 
 
+def set_count(job: Job) -> int:
+    """How many input sets a job rotates through, so that no step reads what the steps just
+    before it left in L2: ``ROTATE_BYTES`` over the job's byte floor, 1 to 64."""
+    return max(1, min(64, -(-ROTATE_BYTES // job.floor_bytes())))
+
+
 class Sets:
     """``count`` input sets for a job, random, never zeros, with the outputs they need."""
 
@@ -313,7 +319,7 @@ def tune(job: Job, cfgs: list[KernelConfig], copy_gbs: float, with_inductor: boo
     kernel timed later."""
     table = cfgs[0]
     per_set = job.floor_bytes()
-    sets = Sets(job, max(1, min(64, -(-ROTATE_BYTES // per_set))))
+    sets = Sets(job, set_count(job))
     checked = {}
     for cfg in cfgs:
         try:
