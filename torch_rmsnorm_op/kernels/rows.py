@@ -106,6 +106,11 @@ def _rms_norm_fwd_rows(
         w = _weight(tl.load(W + cols, mask=col_mask, other=other), WEIGHT_OFFSET)[None, :]
     x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
     x = tl.load(X + x_rows[:, None] + cols[None, :], mask=mask, other=other)
+    if HAS_WEIGHT and EARLY_WEIGHT and not STORE_RSTD and not HAS_RESIDUAL:
+        # ptxas moves no load across a barrier. Without it (and without the rstd store, which
+        # changes its schedule) it issues most of a wide tile's weight loads after the row's sum,
+        # where their latency sits before y's store (config.EARLY_WEIGHT_ELEMENTS)
+        tl.debug_barrier()
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * r_stride + cols[None, :], mask=mask, other=other)
         x = _residual_sum(x, r, H.dtype.element_ty)
