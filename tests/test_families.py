@@ -179,7 +179,7 @@ def _assert_compiles(model, inputs, want, calls, patched):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
-                                    "qwen3_moe"])
+                                    "qwen3_moe", "deepseek_v3"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms

@@ -172,6 +172,8 @@ def _experts(b: torch.Tensor) -> torch.Tensor:
      lambda a, b: (lambda c: (T.rms_norm(a + c, (8,), W), c))(_experts(b)), True),
     ("experts' combined output plus a shared expert's",  # Qwen2-MoE's
      lambda a, b: T.rms_norm(a + (_experts(b) + b * 0.25).reshape(4, 8), (8,), W), False),
+    ("experts' combined output plus a shared expert's, no view after the add",  # DeepSeek V3's
+     lambda a, b: T.rms_norm(a + (_experts(b) + b @ W.diag()), (8,), W), False),
     ("experts' output gathered, not summed", lambda a, b: T.rms_norm(a + (b * 0.5)[ORDER[:4] // 2], (8,), W), True),
     ("a sum over the row's own dim", lambda a, b: T.rms_norm(a + (b * 0.5).repeat(1, 2).view(4, 8, 2).sum(-1),
                                                              (8,), W), True),
@@ -195,11 +197,16 @@ def test_what_is_rewritten(name, f, fused):
     torch.testing.assert_close(got, want)
 
 
-def test_experts_combined_output_joins_the_fused_add_where_the_graph_is_differentiated():
+@pytest.mark.parametrize("combine", [
+    _experts,  # Mixtral's, Qwen3-MoE's
+    lambda b: _experts(b) + b @ W.diag(),  # DeepSeek V3's: a shared expert's output added, no view after it
+    lambda b: (_experts(b) + b * 0.25).reshape(4, 8),  # Qwen2-MoE's
+], ids=["experts", "experts plus a shared expert", "experts plus a shared expert, reshaped"])
+def test_experts_combined_output_joins_the_fused_add_where_the_graph_is_differentiated(combine):
     """In a graph traced to be differentiated through the norm (a training step), the residual
     add after a mixture of experts becomes ``rmsnorm.add_fwd``; in one that is not (inference),
     the norm is left to Inductor with the experts' combine."""
-    f = lambda a, b: T.rms_norm(a + _experts(b), (8,), W)  # noqa: E731
+    f = lambda a, b: T.rms_norm(a + combine(b), (8,), W)  # noqa: E731
     b = torch.randn(4, 8)
     gm, _ = _graph(f, torch.randn(4, 8, requires_grad=True), b)
     assert fusion.fuse_residual_adds(gm.graph) == 1

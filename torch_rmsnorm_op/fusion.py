@@ -229,14 +229,15 @@ def _pointwise_sum(node: object, norm: Node) -> bool:
     computes in the kernel that reads it, nothing else reading it: an elementwise result (RoPE's
     ``q * cos + rotate_half(q) * sin``, Granite's ``residual + hidden * multiplier``), or, where
     nothing differentiates the norm (``_differentiated``), a mixture of experts' combined output
-    (``_expert_combine``). Inductor computes such a sum in the kernel of that term, and a norm
+    (``_expert_combine``; DeepSeek V3's ``experts + shared_experts``, an add, counts as one, not as
+    an elementwise result). Inductor computes such a sum in the kernel of that term, and a norm
     after it in the same kernel (``decompose_epilogue_norms``), where the fused op would need
     the term written for it."""
     if not (isinstance(node, Node) and _is_add(node)):
         return False
     terms = [a for a in node.args if isinstance(a, Node) and len(a.users) == 1]
-    return any(_is_pointwise(a) for a in terms) or (
-        not _differentiated(norm) and any(_expert_combine(a) for a in terms))
+    combines = [a for a in terms if _expert_combine(a)]
+    return any(_is_pointwise(a) and a not in combines for a in terms) or bool(combines and not _differentiated(norm))
 
 
 def _differentiated(norm: Node) -> bool:
@@ -275,7 +276,8 @@ def _expert_combine(term: Node) -> bool:
     (no row split) of elementwise results picked by index, each read once: a mixture of experts'
     output, ``(expert_out * routing_weight)[inverse_order].view(tokens, top_k, hidden).sum(1)``
     (Mixtral's and Qwen3-MoE's combine), or such a sum plus a tensor (Qwen2-MoE's shared expert,
-    ``(combine + shared).reshape(batch, seq, hidden)``). Inductor gathers, weighs and sums the
+    ``(combine + shared).reshape(batch, seq, hidden)``; DeepSeek V3's, ``combine.view(...) +
+    shared``). Inductor gathers, weighs and sums the
     experts' rows in the kernel that reads the result."""
     node = term
     while len(node.users) == 1 and (_is_view(node) or (_is_pointwise(node) and node.target == "to")) \

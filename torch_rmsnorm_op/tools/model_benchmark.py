@@ -122,7 +122,7 @@ What each number is:
   ``matches_reference``: stock within ``TOLERANCES`` of eager; another impl
   within ``TOLERANCES`` of stock, or within twice stock's own distance from
   eager (``judge``: the two compiled models are as far apart as compiling
-  moves a model at all). In a mixture of experts (``mixtral``, ``qwen3_moe``)
+  moves a model at all). In a mixture of experts (``mixtral``, ``qwen3_moe``, ``deepseek_v3``)
   a rounding that moves one router logit can send a token to another expert,
   so compiling alone moves bf16 logits and gradients past those tolerances
   (stock against eager on the H200, 4x2048 tokens: logits 0.11-0.18,
@@ -202,6 +202,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 DEFAULT_MODELS = ("llama", "qwen3", "mistral")
 # Phi3's and GLM 4's defaults put pad and eos at ids outside a 32000-token vocabulary. Granite's
@@ -220,9 +221,19 @@ FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {
 MOE_FAMILIES: dict[str, tuple[str, str]] = {
     "mixtral": ("num_local_experts", "intermediate_size"),
     "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
 }
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
+# Families with DeepSeek V3's layers: multi-head latent attention, whose q and kv pass through
+# low-rank projections normalized on the way (q_a_layernorm, kv_a_layernorm: ranks of 3/4 and 1/4
+# of hidden, DeepSeek V3's 1,536 and 512 at hidden 2,048; each head's q and k of head_dim columns
+# plus head_dim / 2 of RoPE, v of head_dim, as DeepSeek V3's 128 + 64 and 128); the first
+# MLA_DENSE_LAYERS layers dense, the others mixtures of experts with one shared expert as wide as
+# a routed one, whose output the experts' is added to. A post-attention norm of a MoE layer feeds
+# the router, the experts and the shared expert's gate and up: four gradient terms.
+MLA_FAMILIES = frozenset({"deepseek_v3"})
+MLA_DENSE_LAYERS = 1
 # Families whose attention normalizes q and k per head (rows of head_dim).
 QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3", "exaone4", "qwen3_moe"})
 # Families whose layers also normalize the attention's and the MLP's outputs before the
@@ -336,8 +347,18 @@ class ModelSpec:
         if self.family in MOE_FAMILIES:
             experts_key, width_key = MOE_FAMILIES[self.family]
             kwargs.update({experts_key: MOE_EXPERTS, width_key: self.intermediate, "num_experts_per_tok": MOE_TOP_K})
+        if self.family in MLA_FAMILIES:
+            q_rank, kv_rank = self.mla_ranks()
+            kwargs.update(q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=self.head_dim,
+                          qk_rope_head_dim=self.head_dim // 2, v_head_dim=self.head_dim, head_dim=self.head_dim // 2,
+                          num_key_value_heads=self.heads, first_k_dense_replace=MLA_DENSE_LAYERS,
+                          n_shared_experts=1, n_group=1, topk_group=1)
         kwargs.update(FAMILY_CONFIG_OVERRIDES.get(self.family, {}))
         return config_cls(**kwargs)
+
+    def mla_ranks(self) -> tuple[int, int]:
+        """The q and kv low ranks of a family in ``MLA_FAMILIES``: 3/4 and 1/4 of hidden."""
+        return self.hidden * 3 // 4, self.hidden // 4
 
 
 @dataclass(frozen=True)
@@ -363,7 +384,9 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     the MLP's gate and up projections (fused ones in ``PROJECTIONS``), the final norm's the LM
     head. ``SANDWICH_NORM_FAMILIES`` normalize the attention's and MLP's outputs too (their
     norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
-    and their q/k norms over all heads unless they normalize per head."""
+    and their q/k norms over all heads unless they normalize per head. ``MLA_FAMILIES`` also
+    normalize q's and kv's low-rank projections (no residual); their input norms feed two
+    projections, and a post-attention norm of an experts' layer four (``MLA_FAMILIES``)."""
     attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
     if spec.family in POST_NORM_FAMILIES:
         sites = [
@@ -374,6 +397,18 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
         if spec.family not in QK_NORM_FAMILIES:
             return [NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
                     NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers), *sites]
+    elif spec.family in MLA_FAMILIES:  # q and kv low ranks; dense layers, then experts with a shared one
+        q_rank, kv_rank = spec.mla_ranks()
+        dense = min(MLA_DENSE_LAYERS, spec.layers)
+        return [
+            NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, 2),
+            NormSite("input_layernorm (layers 1..)", tokens, spec.hidden, True, spec.layers - 1, 2),
+            NormSite("post_attention_layernorm (dense layers)", tokens, spec.hidden, True, dense, 2),
+            NormSite("post_attention_layernorm (experts' layers)", tokens, spec.hidden, True, spec.layers - dense, 4),
+            NormSite("norm", tokens, spec.hidden, True, 1),
+            NormSite("q_a_layernorm", tokens, q_rank, False, spec.layers),
+            NormSite("kv_a_layernorm", tokens, kv_rank, False, spec.layers),
+        ]
     else:
         sites = [
             NormSite("input_layernorm (layer 0)", tokens, spec.hidden, False, 1, attention),
