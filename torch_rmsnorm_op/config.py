@@ -165,6 +165,10 @@ FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=
 # The norm-add kernel holds two weights: at 64 elements a thread both loaded first take 219 registers
 # against 168 at N = 7,168, 2048 / 8192 rows 33.64 -> 35.61 / 118.94 -> 132.37 us; over few rows 9-22%
 # faster (528 x 7168 9.95 -> 8.73).
+# Written first, the weight's loads still go where ptxas puts them: in an inference forward (no rstd) it issued
+# most of them after the row's sum, so the rows kernel holds them first with a barrier there: 2048 x 7168
+# 16.89 -> 15.85 us, 8192 x 7168 58.10 -> 57.08, 528 x 8192 7.04 -> 5.97 (profiling/results/tuning/
+# 2026-12-04-h200-forward-barrier/; no gain with rstd stored, mixed with the residual, where it is left out).
 EARLY_WEIGHT_ELEMENTS = 64
 EARLY_WEIGHT_SHARE = 0.5
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the

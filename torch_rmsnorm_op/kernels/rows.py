@@ -3,7 +3,8 @@
 Forward: a program holds ``ROWS`` rows of ``BLOCK_N >= N`` columns in registers and reads x
 once; several rows per program for small N. Without masks (``UNMASKED``) where the tiles cover
 x exactly. The weight is loaded after the row's sum, or, with ``EARLY_WEIGHT``, before x, so
-that no load waits between the sum and y's store (``config.with_early_weight`` says where). The
+that no load waits between the sum and y's store (``config.with_early_weight`` says where; a
+forward that stores neither rstd nor a sum holds those loads there with a barrier). The
 norm-add forward normalizes x, adds the result to the residual and normalizes the sum, all in
 registers: x and the residual read once, the sum and y written once.
 
