@@ -178,8 +178,9 @@ def test_ours_floor_counts_the_library_kernels_where_they_serve_every_residual_s
 
 def test_norm_sites_say_what_each_norm_reads_and_feeds():
     """By hand, per site (name, rows, residual add before it, gradient terms): GLM 4's sandwich
-    norms (the MLP input norm after the residual add, feeding one fused gate-up projection) and
-    EXAONE 4's post norms with q/k norms per head (rows of head_dim)."""
+    norms (the MLP input norm after the residual add, feeding one fused gate-up projection),
+    EXAONE 4's post norms with q/k norms per head (rows of head_dim) and DeepSeek V3's latent
+    attention and mixture of experts."""
     def sites(family):
         spec = mb.ModelSpec(family, hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
         return [(s.name, s.rows, s.residual, s.grad_terms, s.count) for s in mb.norm_sites(spec, 10)]
@@ -192,6 +193,13 @@ def test_norm_sites_say_what_each_norm_reads_and_feeds():
         ("post_attention_layernorm", 10, False, 1, 2), ("post_feedforward_layernorm", 10, False, 1, 2),
         ("norm", 10, True, 1, 1), ("q_norm", 40, False, 1, 2), ("k_norm", 20, False, 1, 2)]
     assert sites("olmo3") == sites("olmo2")
+    # DeepSeek V3: input norms feed q's and kv's low-rank projections, a dense layer's post-attention
+    # norm gate and up, an experts' layer's the router, the experts and the shared expert's gate and up
+    assert sites("deepseek_v3") == [
+        ("input_layernorm (layer 0)", 10, False, 2, 1), ("input_layernorm (layers 1..)", 10, True, 2, 1),
+        ("post_attention_layernorm (dense layers)", 10, True, 2, 1),
+        ("post_attention_layernorm (experts' layers)", 10, True, 4, 1), ("norm", 10, True, 1, 1),
+        ("q_a_layernorm", 10, False, 1, 2), ("kv_a_layernorm", 10, False, 1, 2)]
 
 
 @pytest.mark.parametrize("family", sorted(mb.FAMILIES))
