@@ -277,8 +277,8 @@ def _expert_combine(term: Node) -> bool:
     output, ``(expert_out * routing_weight)[inverse_order].view(tokens, top_k, hidden).sum(1)``
     (Mixtral's and Qwen3-MoE's combine), or such a sum plus a tensor (Qwen2-MoE's shared expert,
     ``(combine + shared).reshape(batch, seq, hidden)``; DeepSeek V3's, ``combine.view(...) +
-    shared``). Inductor gathers, weighs and sums the
-    experts' rows in the kernel that reads the result."""
+    shared``). Inductor gathers, weighs and sums the experts' rows in the kernel that reads the
+    result."""
     node = term
     while len(node.users) == 1 and (_is_view(node) or (_is_pointwise(node) and node.target == "to")) \
             and node.args and isinstance(node.args[0], Node):

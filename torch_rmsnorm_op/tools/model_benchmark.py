@@ -349,6 +349,7 @@ class ModelSpec:
             kwargs.update({experts_key: MOE_EXPERTS, width_key: self.intermediate, "num_experts_per_tok": MOE_TOP_K})
         if self.family in MLA_FAMILIES:
             q_rank, kv_rank = self.mla_ranks()
+            # the config's head_dim is the RoPE columns of a head (DeepSeek V3's rotary embedding width)
             kwargs.update(q_lora_rank=q_rank, kv_lora_rank=kv_rank, qk_nope_head_dim=self.head_dim,
                           qk_rope_head_dim=self.head_dim // 2, v_head_dim=self.head_dim, head_dim=self.head_dim // 2,
                           num_key_value_heads=self.heads, first_k_dense_replace=MLA_DENSE_LAYERS,
@@ -386,7 +387,7 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
     and their q/k norms over all heads unless they normalize per head. ``MLA_FAMILIES`` also
     normalize q's and kv's low-rank projections (no residual); their input norms feed two
-    projections, and a post-attention norm of an experts' layer four (``MLA_FAMILIES``)."""
+    projections, and a post-attention norm of an experts' layer four."""
     attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
     if spec.family in POST_NORM_FAMILIES:
         sites = [
