@@ -218,6 +218,31 @@ def test_family_under_inductor(device, family):
             assert fused and fused == calls.get("rmsnorm.add_bwd", 0), T.dispatch_stats()
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_patched_model_generates_the_unpatched_models_tokens(device, family):
+    """Greedy generation, as a model is served: eager with the dynamic cache, then with a static
+    cache and the forward compiled with Inductor (a prefill of the prompts, then one row per
+    sequence a step). The patched model's tokens are the unpatched model's, and its logits
+    agree at every step; every norm runs the kernels (the "error" policy)."""
+    model = _build(family).to(device)
+    reference = copy.deepcopy(model)
+    T.patch_rmsnorm(model)
+    prompts = _inputs(family)["input_ids"].to(device)
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
+                    return_dict_in_generate=True)
+    torch._dynamo.reset()
+    for cache in ("dynamic", "static"):
+        kwargs = dict(settings, cache_implementation="static") if cache == "static" else settings
+        if cache == "static":
+            model.forward = torch.compile(model.forward, fullgraph=True)
+        want = reference.generate(prompts, **kwargs)
+        with T.fallback_policy("error"):
+            got = model.generate(prompts, **kwargs)
+        assert torch.equal(got.sequences, want.sequences), cache
+        for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+            torch.testing.assert_close(a, b, **OUTPUT_TOL, msg=lambda m, step=step, cache=cache: f"{cache} cache, step {step}: {m}")
+
+
 # The survey: every RMSNorm class in the installed transformers, found in the source (nothing
 # imported at collection). Classes whose source is the same but for their name (most are
 # copies: 138 of Llama's) compute the same, so each distinct source is one case, run on the
