@@ -140,6 +140,33 @@ def test_op_contract_errors(device):
     assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}  # rejected before anything ran
 
 
+@pytest.mark.parametrize("path", ["direct", "dispatched"])
+def test_keyword_dtypes_and_residual_errors_on_either_path(device, path):
+    """``rms_norm`` and ``add_rms_norm`` raise the ops' own errors for a ``norm_dtype`` or
+    ``out_dtype`` that is not a floating-point dtype and for a residual of another shape or an
+    integer dtype, whether the call goes straight to the implementation (no gradient) or
+    through the dispatcher (x requires grad); nothing runs before."""
+    x, w = torch.randn(4, 8, device=device), torch.randn(8, device=device)
+    if path == "dispatched":
+        x.requires_grad_()
+    cases = [
+        (lambda: T.rms_norm(x, (8,), w, norm_dtype=torch.int32), T.RMSNormDTypeError,
+         "rmsnorm.fwd: norm_dtype must be None or a real floating-point dtype"),
+        (lambda: T.rms_norm(x, (8,), w, out_dtype=torch.int64), T.RMSNormDTypeError,
+         "rmsnorm.fwd: out_dtype must be None or a real floating-point dtype"),
+        (lambda: T.add_rms_norm(x, torch.randn(4, 8, device=device), (8,), w, out_dtype=torch.bool),
+         T.RMSNormDTypeError, "rmsnorm.add_fwd: out_dtype must be None"),
+        (lambda: T.add_rms_norm(x, torch.randn(4, 7, device=device), (8,), w), T.RMSNormInputError,
+         r"rmsnorm.add_fwd: residual must have x's shape \[4, 8\], got \[4, 7\]"),
+        (lambda: T.add_rms_norm(x, torch.ones(4, 8, dtype=torch.int32, device=device), (8,), w), T.RMSNormDTypeError,
+         "rmsnorm.add_fwd: residual must have a real floating-point dtype"),
+    ]
+    for call, error, regex in cases:
+        with pytest.raises(error, match=regex):
+            call()
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+
+
 @pytest.mark.cuda
 def test_weight_on_another_device():
     with pytest.raises(T.RMSNormInputError, match="weight must be on the same device"):

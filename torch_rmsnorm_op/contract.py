@@ -101,6 +101,14 @@ def _check_dtype_arg(op: str, name: str, dtype: torch.dtype | None) -> None:
         raise RMSNormDTypeError(f"{op}: {name} must be None or a real floating-point dtype, got {dtype}")
 
 
+def check_dtype_args(norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None, op: str = "rmsnorm.fwd") -> None:
+    """``norm_dtype`` and ``out_dtype`` are each None or a real floating-point dtype. What
+    ``rms_norm``'s direct path checks beside ``check_functional_args``, which has checked x and
+    the weight."""
+    _check_dtype_arg(op, "norm_dtype", norm_dtype)
+    _check_dtype_arg(op, "out_dtype", out_dtype)
+
+
 def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
                        out_dtype: torch.dtype | None = None, op: str = "rmsnorm.fwd") -> None:
     """Validate ``rmsnorm::fwd(x, weight, eps, norm_dtype=..., out_dtype=...)``: normalizes over
@@ -109,20 +117,25 @@ def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype
         raise RMSNormInputError(f"{op}: x must have at least 1 dimension (the normalized one), got a 0-dim tensor")
     _check_real_float("x", x, op)
     _check_weight(op, x, weight)
-    _check_dtype_arg(op, "norm_dtype", norm_dtype)
-    _check_dtype_arg(op, "out_dtype", out_dtype)
+    check_dtype_args(norm_dtype, out_dtype, op)
 
 
-def check_add_args(x: Tensor, residual: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
-                   out_dtype: torch.dtype | None = None, op: str = "rmsnorm.add_fwd") -> None:
-    """Validate ``rmsnorm::add_fwd(x, residual, weight, eps, ...)``: residual has x's shape and
-    device and a real floating-point dtype (they are added as torch adds them, no broadcast)."""
-    check_forward_args(x, weight, norm_dtype, out_dtype, op)
+def check_residual_arg(x: Tensor, residual: Tensor, op: str = "rmsnorm.add_fwd") -> None:
+    """``residual`` has x's shape and device and a real floating-point dtype (they are added as
+    torch adds them, no broadcast)."""
     if residual.device != x.device:
         raise RMSNormInputError(f"{op}: residual must be on x's device (residual: {residual.device}, x: {x.device})")
     if residual.shape != x.shape:
         raise RMSNormInputError(f"{op}: residual must have x's shape {_shape(x)}, got {_shape(residual)}")
     _check_real_float("residual", residual, op)
+
+
+def check_add_args(x: Tensor, residual: Tensor, weight: Tensor | None, norm_dtype: torch.dtype | None = None,
+                   out_dtype: torch.dtype | None = None, op: str = "rmsnorm.add_fwd") -> None:
+    """Validate ``rmsnorm::add_fwd(x, residual, weight, eps, ...)``: ``fwd``'s rules, and
+    ``check_residual_arg``'s."""
+    check_forward_args(x, weight, norm_dtype, out_dtype, op)
+    check_residual_arg(x, residual, op)
 
 
 def check_norm_add_args(x: Tensor, residual: Tensor, x_weight: Tensor | None, weight: Tensor | None,

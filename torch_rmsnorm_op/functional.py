@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import _torch_compat, ops, reference
-from torch_rmsnorm_op.contract import check_add_args, check_eps, check_forward_args, check_functional_args
+from torch_rmsnorm_op.contract import check_dtype_args, check_eps, check_functional_args, check_residual_arg
 from torch_rmsnorm_op.fallback import record_fallback
 
 _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
@@ -49,10 +49,12 @@ def _nothing_to_dispatch(tensors: tuple[Tensor | None, ...], weight: Tensor | No
     implementation: eager (not compiled), no gradient to record, plain strided CPU or CUDA
     tensors (no subclass, nested tensor, negative bit), and nothing in the dispatcher's state
     (``_torch_compat.dispatcher_has_nothing_to_do``)."""
-    if not (_plain(weight, weight=True) and all(_plain(t) for t in tensors)):
+    grad = torch.is_grad_enabled()
+    if not _plain(weight, weight=True) or (grad and weight is not None and weight.requires_grad):
         return False
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (*tensors, weight)):
-        return False
+    for t in tensors:  # a loop, not all(...) over a generator: this runs on every eager call
+        if not _plain(t) or (grad and t.requires_grad):
+            return False
     return _torch_compat.dispatcher_has_nothing_to_do()
 
 
@@ -105,8 +107,8 @@ def rms_norm(
             return reference.rms_norm_reference(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
         direct = _nothing_to_dispatch((input,), weight)
     x, w = _flatten(input, shape, weight)
-    if direct:
-        check_forward_args(x, w, norm_dtype, out_dtype)
+    if direct:  # x and the weight are checked, and real (complex took the reference)
+        check_dtype_args(norm_dtype, out_dtype)
         y = _direct("rmsnorm::fwd", lambda: ops.forward(x, w, float(eps), float(weight_offset), norm_dtype,
                                                         out_dtype, want_rstd=False)[0])
     else:
@@ -146,7 +148,8 @@ def add_rms_norm(
             return reference.rms_norm_reference(s, shape, weight, eps, weight_offset, norm_dtype, out_dtype), s
         direct = _nothing_to_dispatch((input, residual), weight)
     if direct:
-        check_add_args(x, r, w, norm_dtype, out_dtype)
+        check_residual_arg(x, r)
+        check_dtype_args(norm_dtype, out_dtype, "rmsnorm.add_fwd")
         y, s, _ = _direct("rmsnorm::add_fwd", lambda: ops.forward(x, w, float(eps), float(weight_offset),
                                                                   norm_dtype, out_dtype, residual=r,
                                                                   want_rstd=False))
