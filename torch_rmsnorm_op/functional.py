@@ -44,7 +44,7 @@ def _plain(t: Tensor | None, weight: bool = False) -> bool:
             and not t.is_neg())
 
 
-def _nothing_to_dispatch(tensors: tuple[Tensor | None, ...], weight: Tensor | None) -> bool:
+def _nothing_to_dispatch(tensors: tuple[Tensor, ...], weight: Tensor | None) -> bool:
     """Whether dispatching the op on these inputs, here and now, would only reach its
     implementation: eager (not compiled), no gradient to record, plain strided CPU or CUDA
     tensors (no subclass, nested tensor, negative bit), and nothing in the dispatcher's state
