@@ -356,6 +356,13 @@ def _double_backward(op: str) -> bool:
     return False
 
 
+def _savable(t: Tensor | None) -> Tensor | None:
+    """``t``, or its copy where it is an inference tensor, which autograd cannot save: an input
+    made under ``torch.inference_mode`` (frozen features, say) normalized outside it by a norm
+    whose weight is trained. ``F.rms_norm``, composed of differentiable ops, accepts it."""
+    return t.clone() if t is not None and t.is_inference() else t
+
+
 def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     x, weight, eps = inputs
     _, rstd = output
@@ -365,7 +372,7 @@ def _setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.set_materialize_grads(False)
     ctx.eps = eps
     ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
-    ctx.save_for_backward(x, weight, rstd)
+    ctx.save_for_backward(_savable(x), _savable(weight), rstd)
 
 
 def _norm_grads(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, eps: float,
@@ -411,7 +418,7 @@ def _add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.eps = eps
     ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
     ctx.dtypes = (x.dtype, residual.dtype)
-    ctx.save_for_backward(residual_out, weight, rstd)
+    ctx.save_for_backward(residual_out, _savable(weight), rstd)
 
 
 def _add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None):
@@ -436,7 +443,7 @@ def _norm_add_setup_context(ctx, inputs, keyword_only_inputs, output) -> None:
     ctx.eps, ctx.x_eps = eps, x_eps
     ctx.weight_offset = keyword_only_inputs.get("weight_offset", 0.0)
     ctx.residual_dtype = residual.dtype
-    ctx.save_for_backward(x, x_weight, x_rstd, residual_out, weight, rstd)
+    ctx.save_for_backward(_savable(x), _savable(x_weight), x_rstd, residual_out, _savable(weight), rstd)
 
 
 def _norm_add_backward(ctx, dy: Tensor | None, dresidual_out: Tensor | None, _drstd: Tensor | None,
