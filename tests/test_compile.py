@@ -12,6 +12,7 @@ import unittest
 
 import pytest
 import torch
+import torch.nn.functional as F
 from checks import compiling_afresh
 from functorch.compile import make_boxed_func
 from tolerances import TOL, dweight_tol
@@ -315,6 +316,55 @@ def test_ops_on_split_mode_rows_stay_one_call_in_compiled_cuda_graphs(monkeypatc
             assert decomposes(262144, torch.float64)  # the reference serves it
     finally:
         dispatch.split_mode_reason.cache_clear()
+
+
+def test_a_row_count_the_graph_learns_when_it_runs_keeps_the_op_whole_on_cuda(monkeypatch):
+    """Rows whose count is data-dependent (an unbacked size, as ``x[mask]`` gives under
+    ``capture_dynamic_output_shape_ops``): a CUDA graph keeps the op whole, since its launch
+    would need the count while tracing; the same rows with a known count decompose."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from torch_rmsnorm_op import ops
+
+    monkeypatch.setattr(dispatch, "split_mode_serves", lambda x: False)
+    with FakeTensorMode(shape_env=ShapeEnv()) as mode:
+        rows = mode.shape_env.create_unbacked_symint()
+        torch._check(rows >= 0)
+        unbacked = torch.empty(rows, 2048, device="cuda", dtype=torch.bfloat16)
+        known = torch.empty(8, 2048, device="cuda", dtype=torch.bfloat16)
+        assert ops._decomposes(known) and not ops._decomposes(unbacked)
+
+
+@pytest.mark.parametrize("selected", ["some", "none", "all"])
+def test_rows_selected_by_a_mask_compile_and_train(device, selected):
+    """``rms_norm`` and ``add_rms_norm`` of ``x[mask]`` compiled with the mask's row count left
+    to run time (``capture_dynamic_output_shape_ops``, ``fullgraph``): outputs and gradients as
+    ``F.rms_norm``'s in eager, with some, none or all of the rows selected."""
+    torch._dynamo.reset()
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, r = (torch.randn(8, 64, device=device, generator=gen) for _ in range(2))
+    w = torch.rand(64, device=device, generator=gen) + 0.5
+    mask = {"some": torch.arange(8, device=device) % 3 == 0, "none": torch.zeros(8, dtype=torch.bool, device=device),
+            "all": torch.ones(8, dtype=torch.bool, device=device)}[selected]
+
+    def ours(x, r, w, mask):
+        y, h = T.add_rms_norm(x[mask], r[mask], (64,), w, 1e-6)
+        return T.rms_norm(y, (64,), w, 1e-6) * h
+
+    def torchs(x, r, w, mask):
+        h = x[mask] + r[mask]
+        return F.rms_norm(F.rms_norm(h, (64,), w, 1e-6), (64,), w, 1e-6) * h
+
+    def run(f):
+        xs = [t.clone().requires_grad_() for t in (x, r, w)]
+        out = f(*xs, mask)
+        return [out, *torch.autograd.grad(out.sum(), xs, allow_unused=True)]
+
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        got = run(torch.compile(ours, fullgraph=True))
+    for a, b in zip(got, run(torchs)):
+        torch.testing.assert_close(a, b, **dweight_tol(torch.float32, 8))
 
 
 @pytest.mark.cuda

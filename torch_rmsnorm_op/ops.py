@@ -310,15 +310,21 @@ _PLAIN_TYPES = (Tensor, torch._subclasses.FakeTensor, torch._subclasses.function
 def _decomposes(x: Tensor) -> bool:
     """Whether a graph traced over ``x`` holds the op's decomposition rather than one opaque call:
     on CUDA (the kernels' launches, or the reference's operations where they do not serve the
-    call), but for rows the kernels serve in split mode (``dispatch.split_mode_serves``), which
-    run as in eager mode; on CPU wherever the Triton interpreter cannot run the kernels when the
-    graph runs, which leaves the reference, decided while tracing and compiled by Inductor: without
-    ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back into no Python). With
+    call), but for rows the kernels serve in split mode (``dispatch.split_mode_serves``) and for
+    a row count the graph learns only when it runs (an unbacked size: ``x[mask]`` or ``nonzero``
+    under ``capture_dynamic_output_shape_ops``), whose launch would need that count while
+    tracing: those run as in eager mode. On CPU wherever the Triton interpreter cannot run the
+    kernels when the graph runs, which leaves the reference, decided while tracing and compiled
+    by Inductor: without ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back
+    into no Python). With
     the interpreter a CPU graph keeps the op whole, and each call runs the kernels interpreted.
     The compile caches keep the two CPU graphs apart: only without the interpreter do the
     kernels join the cache's key (``launch.register_kernels_for_cache_key``)."""
     if x.device.type == "cuda":
-        return not dispatch.split_mode_serves(x)
+        # Imported here: at the top of the module it would add 0.25 s to the package's import.
+        from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
+
+        return not has_free_unbacked_symbols(x.shape) and not dispatch.split_mode_serves(x)
     return x.device.type == "cpu" and (_torch_compat.aot_compiling() or not dispatch.interpreted())
 
 
