@@ -14,6 +14,7 @@ import torch
 from checks import assert_computes_like
 from tolerances import MODEL, few_roundings
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op.patch import PatchedRMSNorm
@@ -228,19 +229,23 @@ def test_patched_model_generates_the_unpatched_models_tokens(device, family):
     reference = copy.deepcopy(model)
     T.patch_rmsnorm(model)
     prompts = _inputs(family)["input_ids"].to(device)
+    # disable_compile: generate compiles a static cache's forward itself on GPUs; here only the
+    # patched model's forward is compiled, by the test, on every device.
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True,
-                    return_dict_in_generate=True)
+                    return_dict_in_generate=True, disable_compile=True)
     torch._dynamo.reset()
+    compiles = CompileCounterWithBackend("inductor")
     for cache in ("dynamic", "static"):
         kwargs = dict(settings, cache_implementation="static") if cache == "static" else settings
         if cache == "static":
-            model.forward = torch.compile(model.forward, fullgraph=True)
+            model.forward = torch.compile(model.forward, fullgraph=True, backend=compiles)
         want = reference.generate(prompts, **kwargs)
         with T.fallback_policy("error"):
             got = model.generate(prompts, **kwargs)
         assert torch.equal(got.sequences, want.sequences), cache
         for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
             torch.testing.assert_close(a, b, **OUTPUT_TOL, msg=lambda m, step=step, cache=cache: f"{cache} cache, step {step}: {m}")
+    assert compiles.frame_count >= 1  # the static cache's steps ran the compiled forward
 
 
 # The survey: every RMSNorm class in the installed transformers, found in the source (nothing
