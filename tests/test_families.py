@@ -92,6 +92,12 @@ FAMILIES = {
                True),
     "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM", dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
                   mamba_d_state=16, mamba_chunk_size=8), {"llama": 3}, None, True),
+    # NemotronH: a block of Mamba, attention or MLP each behind one norm, of one rounding, read
+    # through hidden_states.to(dtype=self.norm.weight.dtype), a cast that changes nothing here (the
+    # residual rewrite looks through it); its Mamba mixer's gated norm is skipped.
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
+        num_hidden_layers=3, layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8,
+        ssm_state_size=8, n_groups=1, chunk_size=8), {"torch": 4}, "its forward takes (hidden_states, gate)", True),
     # Families of later transformers releases (skipped where the installed one lacks them). Gemma 4:
     # ten norms of one rounding, weightless v norms among them; Qwen 3.5: Qwen3-Next's `1 + weight`
     # norms and gated norm; DeepSeek V4: weightless norms that round rstd to the input's dtype
@@ -192,7 +198,7 @@ def _assert_compiles(model, inputs, want, calls, patched):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
-                                    "qwen3_moe", "deepseek_v3", "gemma4", "deepseek_v4"])
+                                    "qwen3_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
@@ -215,6 +221,9 @@ def test_family_under_inductor(device, family):
             assert not fused and not calls.get("rmsnorm.fwd", 0), T.dispatch_stats()
         elif family == "deepseek_v4":  # hyper-connections mix the residual streams: no add feeds a norm
             assert not fused and calls.get("rmsnorm.fwd", 0) == calls.get("rmsnorm.bwd", 0) > 0, T.dispatch_stats()
+        elif family == "nemotron_h":  # each block's norm reads its input through a cast that changes nothing:
+            # the second and third blocks' and the final norm take their adds (the first's input is the embeddings)
+            assert calls == {"rmsnorm.add_fwd": 3, "rmsnorm.add_bwd": 3}, T.dispatch_stats()
         else:
             assert fused and fused == calls.get("rmsnorm.add_bwd", 0), T.dispatch_stats()
 

@@ -177,11 +177,21 @@ def _experts(b: torch.Tensor) -> torch.Tensor:
     ("experts' output gathered, not summed", lambda a, b: T.rms_norm(a + (b * 0.5)[ORDER[:4] // 2], (8,), W), True),
     ("a sum over the row's own dim", lambda a, b: T.rms_norm(a + (b * 0.5).repeat(1, 2).view(4, 8, 2).sum(-1),
                                                              (8,), W), True),
+    # NemotronH's and the Mamba family's norm(hidden_states.to(dtype=self.norm.weight.dtype))
+    ("a cast to the sum's own dtype", lambda a, b: T.rms_norm((a + b).to(dtype=W.dtype), (8,), W), True),
+    ("a cast to the sum's own dtype, read again",
+     lambda a, b: (lambda c: (T.rms_norm(c, (8,), W), c * 2))((a + b).to(torch.float32)), True),
+    ("float() of an fp32 sum", lambda a, b: T.rms_norm((a + b).float(), (8,), W), True),
+    ("a cast to another dtype", lambda a, b: T.rms_norm((a + b).to(torch.bfloat16), (8,), W), False),
+    ("a cast asked to copy", lambda a, b: T.rms_norm((a + b).to(torch.float32, copy=True), (8,), W), False),
+    ("a term cast to its own dtype",  # Mamba's residual.to(torch.float32) with an fp32 residual
+     lambda a, b: T.rms_norm(a.to(torch.float32) + b, (8,), W), True),
+    ("a term cast to another dtype", lambda a, b: T.rms_norm(a.to(torch.bfloat16) + b.bfloat16(), (8,), W), False),
 ])
 def test_what_is_rewritten(name, f, fused):
     """Only an out-of-place add of two tensors of one shape, in fp16/bf16/fp32, feeding the norm
-    directly, and not with a term that is an elementwise result nothing else reads; the
-    rewritten graph computes what the original does."""
+    directly or through a cast that changes nothing, and not with a term that is an elementwise
+    result nothing else reads; the rewritten graph computes what the original does."""
     a, b = torch.randn(4, 8), torch.randn(4, 8)
     gm, inputs = _graph(f, a, b)
     want = gm(*inputs)

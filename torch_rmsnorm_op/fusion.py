@@ -25,8 +25,10 @@ the sum's own gradient into dx. Model code stays as it is.
 
 Nothing is rewritten where the computation would change: only an out-of-place ``a + b`` of two
 tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat16/float32,
-whose result feeds the norm directly (a scalar computed between the two, as Dynamo computes
-a float eps under dynamic shapes, moves up before the add). Nor is a sum with a term that is
+whose result feeds the norm directly or through a cast that changes nothing (NemotronH's and
+the Mamba family's ``norm(hidden_states.to(dtype=self.norm.weight.dtype))`` where the
+activations have the weight's dtype; ``_noop_cast``); a scalar computed between the two, as
+Dynamo computes a float eps under dynamic shapes, moves up before the add. Nor is a sum with a term that is
 an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's
 and MiniCPM's scaled branch ``residual + hidden * multiplier``), or, in a graph not traced to
 be differentiated (inference), a mixture of experts' combined output (Mixtral's, Qwen3-MoE's
@@ -232,12 +234,14 @@ def _pointwise_sum(node: object, norm: Node) -> bool:
     (``_expert_combine``; DeepSeek V3's ``experts + shared_experts``, an add, counts as one, not as
     an elementwise result). Inductor computes such a sum in the kernel of that term, and a norm
     after it in the same kernel (``decompose_epilogue_norms``), where the fused op would need
-    the term written for it."""
+    the term written for it. A cast that changes nothing (``_noop_cast``) is not such a term:
+    Inductor computes nothing for it."""
     if not (isinstance(node, Node) and _is_add(node)):
         return False
     terms = [a for a in node.args if isinstance(a, Node) and len(a.users) == 1]
     combines = [a for a in terms if _expert_combine(a)]
-    return any(_is_pointwise(a) and a not in combines for a in terms) or bool(combines and not _differentiated(norm))
+    return (any(_is_pointwise(a) and not _noop_cast(a) and a not in combines for a in terms)
+            or bool(combines and not _differentiated(norm)))
 
 
 def _differentiated(norm: Node) -> bool:
@@ -323,13 +327,14 @@ def _scalars_to_hoist(node: Node, add: Node, order: dict[Node, int], found: list
 
 
 def _inputs_before(add: Node, norm: Node, order: dict[Node, int]) -> bool:
-    """Whether the norm's inputs other than the add exist where the add stands (the fused op
-    stands there), once the scalars computed between the two from inputs that exist by then
-    are moved up before the add: under dynamic shapes Dynamo computes a float eps right before
-    the norm (``sym_float``, of a tensor attribute's ``item()``). Moves them where it returns
-    True."""
+    """Whether the norm's inputs other than the add (or the no-op cast of it the norm reads)
+    exist where the add stands (the fused op stands there), once the scalars computed between
+    the two from inputs that exist by then are moved up before the add: under dynamic shapes
+    Dynamo computes a float eps right before the norm (``sym_float``, of a tensor attribute's
+    ``item()``). Moves them where it returns True."""
     found: list[Node] = []
-    if not all(_scalars_to_hoist(n, add, order, found) for n in norm.all_input_nodes if n is not add):
+    if not all(_scalars_to_hoist(n, add, order, found) for n in norm.all_input_nodes
+               if n is not add and n is not norm.args[0]):
         return False
     for i, node in enumerate(found):
         add.prepend(node)
@@ -348,15 +353,44 @@ def _fake_call(target, args: tuple, kwargs: dict):
         return target(*values, **kwargs)
 
 
+_CASTS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16"})
+
+
+def _noop_cast(node: Node) -> bool:
+    """Whether ``node`` is a dtype conversion that gives back its input as it is: the same
+    dtype, device, shape and strides, no copy asked. NemotronH and the Mamba family normalize
+    ``hidden_states.to(dtype=self.norm.weight.dtype)``, which is that where the activations
+    have the weight's dtype; the graph Dynamo captures keeps the call."""
+    if not (node.op == "call_method" and node.target in _CASTS) and not (
+            node.op == "call_function" and node.target is torch.Tensor.to):
+        return False
+    if not node.args or not isinstance(node.args[0], Node) or set(node.kwargs) - {"dtype", "non_blocking"}:
+        return False
+    if any(isinstance(a, bool) for a in node.args[1:]):  # to(dtype, non_blocking, copy) given by position
+        return False
+    before, after = _value(node.args[0]), _value(node)
+    if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+        return False
+    if after is before:
+        return True
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return (before.dtype == after.dtype and before.device == after.device and _same_shape(before, after)
+            and all(statically_known_true(x == y) for x, y in zip(before.stride(), after.stride())))
+
+
 def fuse_residual_adds(graph: Graph) -> int:
-    """Rewrite every fusable ``a + b -> rmsnorm.fwd`` in ``graph`` into ``rmsnorm.add_fwd``;
+    """Rewrite every fusable ``a + b -> rmsnorm.fwd`` in ``graph`` into ``rmsnorm.add_fwd``,
+    the norm reading the sum directly or through a cast that changes nothing (``_noop_cast``);
     returns how many. Leaves every other node as it is."""
     count = 0
     order = {n: i for i, n in enumerate(graph.nodes)}
     for norm in list(graph.nodes):
         if not _is_norm(norm) or not norm.args or not isinstance(norm.args[0], Node):
             continue
-        add = norm.args[0]
+        add = cast = norm.args[0]
+        if _noop_cast(cast) and _is_add(cast.args[0]):
+            add = cast.args[0]
         if not _is_add(add) or _pointwise_sum(add, norm) or not _fusable(add) or not _inputs_before(add, norm, order):
             continue
         args = (*add.args, *norm.args[1:])
@@ -379,6 +413,8 @@ def fuse_residual_adds(graph: Graph) -> int:
         graph.erase_node(norm)
         add.replace_all_uses_with(total)
         graph.erase_node(add)
+        if cast is not add and not cast.users:
+            graph.erase_node(cast)
         count += 1
     return _rewritten(graph, count, "fused %d residual add(s) into rmsnorm.add_fwd")
 
