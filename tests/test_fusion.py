@@ -333,6 +333,13 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(_rope(x.transpose(1, 2), c, s), (16,), W16), PROJ), True),
     ("after a residual sum, then a projection",
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x + x.flip(0), (16,), W16), PROJ), False),
+    ("a sum cast to another dtype, then a projection",  # Mamba's fp32 residual stream, normalized in bf16
+     lambda x, c, s: torch.nn.functional.linear(
+         T.rms_norm((x + x.flip(0)).to(torch.bfloat16), (16,), W16.bfloat16()), PROJ.bfloat16()), True),
+    ("a cast read again", lambda x, c, s: (lambda h: (torch.nn.functional.linear(
+        T.rms_norm(h, (16,), W16.bfloat16()), PROJ.bfloat16()), h))(x.to(torch.bfloat16)), False),
+    ("a cast to the input's own dtype, then a projection",
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x.to(torch.float32), (16,), W16), PROJ), False),
     ("after a scaled residual branch, then a projection",  # Granite's
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x.flip(0) + x * 0.25, (16,), W16), PROJ), True),
     ("after a mixture of experts, then a projection",  # Mixtral's, Qwen3-MoE's
@@ -342,10 +349,10 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
 ])
 def test_which_norms_are_left_to_inductor(name, f, left):
     """Only a norm whose output nothing but elementwise ops (through views) reads, whose input
-    is an embedding lookup (through views and elementwise ops), or whose input is a sum with a
+    is an embedding lookup (through views and elementwise ops), whose input is a sum with a
     term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch) or
-    a mixture of experts' combined output, is replaced by torch ops; the graph computes what it
-    computed before."""
+    a mixture of experts' combined output, or whose input is a cast to another dtype nothing
+    else reads, is replaced by torch ops; the graph computes what it computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -1074,3 +1081,25 @@ def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, 
         want = stock(input_ids=ids).logits
     assert counts == [joined, left]
     torch.testing.assert_close(out, want, **MODEL[torch.float32])
+
+
+def test_mamba_norms_over_an_fp32_residual_stream_are_left_to_inductor(monkeypatch):
+    """Mamba in bf16 keeps its residual stream in fp32 and normalizes it cast to the weight's
+    bf16: Inductor adds, casts and normalizes in one kernel, so those norms are left to it (and
+    the first, whose input is the embeddings); the final norm, which reads the fp32 sum itself,
+    takes its add. Logits as the stock model's."""
+    counts = {}
+    for name in ("fuse_residual_adds", "decompose_epilogue_norms"):
+        real = getattr(fusion, name)
+        monkeypatch.setattr(fusion, name, lambda graph, real=real, name=name: counts.setdefault(name, real(graph)))
+    cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, state_size=8, use_mambapy=False)
+    torch.manual_seed(0)
+    stock = transformers.MambaForCausalLM(cfg).to(torch.bfloat16).eval()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    with compiling_afresh(), torch.no_grad():  # a cached graph would skip the pass
+        out = torch.compile(patched, fullgraph=True)(input_ids=ids).logits
+        want = stock(input_ids=ids).logits
+    assert counts == {"fuse_residual_adds": 1, "decompose_epilogue_norms": 3}
+    torch.testing.assert_close(out, want, **MODEL[torch.bfloat16])

@@ -76,7 +76,9 @@ scaled residual branch, where stock Inductor reads the branch and the residual a
 sum and y, and the fused op would need the scaled branch written for it (6 passes against 4);
 and in inference the norms after a mixture of experts, where stock Inductor gathers, weighs and
 sums the experts' rows in the norm's kernel, and the fused op would need them summed by a kernel
-of its own, one launch more a layer.
+of its own, one launch more a layer. And a norm whose input is a cast to another dtype that
+nothing else reads (Mamba's fp32 residual stream normalized in bf16): stock Inductor casts in
+the norm's kernel, where our op would need the cast written for it.
 Any other norm stays ours: one whose output a projection's matmul, our ops or the graph's
 output reads, and, since the rewrite runs after the residual rewrite, one whose output feeds a
 fused add (Gemma's post-attention norms). Turn it off with
@@ -356,17 +358,22 @@ def _fake_call(target, args: tuple, kwargs: dict):
 _CASTS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16"})
 
 
-def _noop_cast(node: Node) -> bool:
-    """Whether ``node`` is a dtype conversion that gives back its input as it is: the same
-    dtype, device, shape and strides, no copy asked. NemotronH and the Mamba family normalize
-    ``hidden_states.to(dtype=self.norm.weight.dtype)``, which is that where the activations
-    have the weight's dtype; the graph Dynamo captures keeps the call."""
+def _is_cast(node: Node) -> bool:
+    """A dtype conversion of one tensor (``x.to(dtype)``, ``x.float()``, ...), not asked to copy."""
     if not (node.op == "call_method" and node.target in _CASTS) and not (
             node.op == "call_function" and node.target is torch.Tensor.to):
         return False
     if not node.args or not isinstance(node.args[0], Node) or set(node.kwargs) - {"dtype", "non_blocking"}:
         return False
-    if any(isinstance(a, bool) for a in node.args[1:]):  # to(dtype, non_blocking, copy) given by position
+    return not any(isinstance(a, bool) for a in node.args[1:])  # to(dtype, non_blocking, copy) given by position
+
+
+def _noop_cast(node: Node) -> bool:
+    """Whether ``node`` is a dtype conversion that gives back its input as it is: the same
+    dtype, device, shape and strides, no copy asked. NemotronH and the Mamba family normalize
+    ``hidden_states.to(dtype=self.norm.weight.dtype)``, which is that where the activations
+    have the weight's dtype; the graph Dynamo captures keeps the call."""
+    if not _is_cast(node):
         return False
     before, after = _value(node.args[0]), _value(node)
     if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
@@ -574,6 +581,17 @@ def _inductor_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, 
     return y.to(out_dtype).contiguous(), rstd.squeeze(-1)
 
 
+def _cast_read_once(x: object) -> bool:
+    """Whether ``x`` is a cast to another dtype of a tensor on its device that nothing but the
+    norm reads: Mamba's fp32 residual stream normalized in the weight's bf16,
+    ``norm(hidden_states.to(dtype=self.norm.weight.dtype))``. Inductor casts in the norm's
+    kernel, where our op would need the cast written for it."""
+    if not (isinstance(x, Node) and len(x.users) == 1 and _is_cast(x)) or _noop_cast(x):
+        return False
+    before, after = _value(x.args[0]), _value(x)
+    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.device == after.device
+
+
 def decompose_epilogue_norms(graph: Graph) -> int:
     """Replace with the same computation in torch ops, which Inductor fuses with its neighbours
     as it does in the stock model, every ``rmsnorm.fwd`` in ``graph`` whose rstd nothing reads
@@ -582,7 +600,8 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
     input is a sum with a term that is an elementwise result nothing else reads (HunYuan's q/k
     norms, after RoPE; Granite's norms after its scaled residual branches) or, in inference, a
-    mixture of experts' combined output (``_pointwise_sum``); returns how many.
+    mixture of experts' combined output (``_pointwise_sum``), or whose input is a cast to
+    another dtype that nothing else reads (``_cast_read_once``: Mamba's); returns how many.
     Every other norm stays as it is."""
     count = 0
     for norm in list(graph.nodes):
@@ -592,7 +611,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
         if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(norm.args[0])
-                or _pointwise_sum(norm.args[0], norm)):
+                or _pointwise_sum(norm.args[0], norm) or _cast_read_once(norm.args[0])):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
