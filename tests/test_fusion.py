@@ -338,6 +338,11 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
          T.rms_norm((x + x.flip(0)).to(torch.bfloat16), (16,), W16.bfloat16()), PROJ.bfloat16()), True),
     ("a cast read again", lambda x, c, s: (lambda h: (torch.nn.functional.linear(
         T.rms_norm(h, (16,), W16.bfloat16()), PROJ.bfloat16()), h))(x.to(torch.bfloat16)), False),
+    ("an MLP's product read once, then a projection",  # BitNet's ffn_sub_norm
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(torch.relu(x).square() * x.flip(0), (16,), W16), PROJ),
+     True),
+    ("a product read again", lambda x, c, s: (lambda h: (torch.nn.functional.linear(
+        T.rms_norm(h, (16,), W16), PROJ), h))(x * x.flip(0)), False),
     ("a cast to the input's own dtype, then a projection",
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(x.to(torch.float32), (16,), W16), PROJ), False),
     ("after a scaled residual branch, then a projection",  # Granite's
@@ -351,8 +356,9 @@ def test_which_norms_are_left_to_inductor(name, f, left):
     """Only a norm whose output nothing but elementwise ops (through views) reads, whose input
     is an embedding lookup (through views and elementwise ops), whose input is a sum with a
     term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch) or
-    a mixture of experts' combined output, or whose input is a cast to another dtype nothing
-    else reads, is replaced by torch ops; the graph computes what it computed before."""
+    a mixture of experts' combined output, or whose input is another elementwise result (a
+    cast to another dtype among them) nothing else reads, is replaced by torch ops; the graph
+    computes what it computed before."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)

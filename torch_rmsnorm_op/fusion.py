@@ -76,9 +76,9 @@ scaled residual branch, where stock Inductor reads the branch and the residual a
 sum and y, and the fused op would need the scaled branch written for it (6 passes against 4);
 and in inference the norms after a mixture of experts, where stock Inductor gathers, weighs and
 sums the experts' rows in the norm's kernel, and the fused op would need them summed by a kernel
-of its own, one launch more a layer. And a norm whose input is a cast to another dtype that
-nothing else reads (Mamba's fp32 residual stream normalized in bf16): stock Inductor casts in
-the norm's kernel, where our op would need the cast written for it.
+of its own, one launch more a layer. And a norm whose input is any other elementwise result
+that nothing else reads (Mamba's fp32 residual stream cast to bf16, BitNet's ``relu(gate) ** 2
+* up``): stock Inductor computes it in the norm's kernel, where our op would need it written.
 Any other norm stays ours: one whose output a projection's matmul, our ops or the graph's
 output reads, and, since the rewrite runs after the residual rewrite, one whose output feeds a
 fused add (Gemma's post-attention norms). Turn it off with
@@ -581,15 +581,21 @@ def _inductor_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, 
     return y.to(out_dtype).contiguous(), rstd.squeeze(-1)
 
 
-def _cast_read_once(x: object) -> bool:
-    """Whether ``x`` is a cast to another dtype of a tensor on its device that nothing but the
-    norm reads: Mamba's fp32 residual stream normalized in the weight's bf16,
-    ``norm(hidden_states.to(dtype=self.norm.weight.dtype))``. Inductor casts in the norm's
-    kernel, where our op would need the cast written for it."""
-    if not (isinstance(x, Node) and len(x.users) == 1 and _is_cast(x)) or _noop_cast(x):
+def _elementwise_read_once(x: object) -> bool:
+    """Whether ``x`` is an elementwise result (a cast to another dtype among them) that nothing
+    but the norm reads: Mamba's fp32 residual stream normalized in the weight's bf16,
+    ``norm(hidden_states.to(dtype=self.norm.weight.dtype))``; BitNet's MLP sub-norm of
+    ``relu(gate) ** 2 * up``. Inductor computes it in the norm's kernel, where our op would need
+    it written. A cast that changes nothing is not one (the residual rewrite reads through it),
+    nor is an add of two tensors: the residual rewrite decides about sums (``_pointwise_sum``)."""
+    if not (isinstance(x, Node) and len(x.users) == 1 and (_is_pointwise(x) or _is_cast(x))) or _noop_cast(x):
         return False
-    before, after = _value(x.args[0]), _value(x)
-    return isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.device == after.device
+    if _is_add(x):
+        return False
+    tensors = [_value(a) for a in x.all_input_nodes]
+    after = _value(x)
+    return isinstance(after, torch.Tensor) and all(
+        t.device == after.device for t in tensors if isinstance(t, torch.Tensor))
 
 
 def decompose_epilogue_norms(graph: Graph) -> int:
@@ -600,8 +606,9 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
     input is a sum with a term that is an elementwise result nothing else reads (HunYuan's q/k
     norms, after RoPE; Granite's norms after its scaled residual branches) or, in inference, a
-    mixture of experts' combined output (``_pointwise_sum``), or whose input is a cast to
-    another dtype that nothing else reads (``_cast_read_once``: Mamba's); returns how many.
+    mixture of experts' combined output (``_pointwise_sum``), or whose input is any other
+    elementwise result that nothing else reads (``_elementwise_read_once``: Mamba's cast,
+    BitNet's MLP product); returns how many.
     Every other norm stays as it is."""
     count = 0
     for norm in list(graph.nodes):
@@ -611,7 +618,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
         if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(norm.args[0])
-                or _pointwise_sum(norm.args[0], norm) or _cast_read_once(norm.args[0])):
+                or _pointwise_sum(norm.args[0], norm) or _elementwise_read_once(norm.args[0])):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
