@@ -341,6 +341,9 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
     ("an MLP's product read once, then a projection",  # BitNet's ffn_sub_norm
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(torch.relu(x).square() * x.flip(0), (16,), W16), PROJ),
      True),
+    ("a concatenation read once, then a projection",  # Zamba2's shared block: its input beside the embeddings
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm(torch.concatenate([x, x.flip(0)], dim=-1), (32,),
+                                                           W16.repeat(2)), PROJ.repeat(1, 2)), True),
     ("a product read again", lambda x, c, s: (lambda h: (torch.nn.functional.linear(
         T.rms_norm(h, (16,), W16), PROJ), h))(x * x.flip(0)), False),
     ("a cast to the input's own dtype, then a projection",

@@ -488,7 +488,8 @@ _VIEW_FUNCTIONS = frozenset({torch.transpose, torch.reshape, torch.permute, torc
 _POINTWISE_METHODS = frozenset({"mul", "add", "sub", "neg", "div", "float", "half", "bfloat16", "type_as",
                                 "masked_fill"})
 _POINTWISE_FUNCTIONS = frozenset({operator.mul, operator.add, operator.sub, operator.neg, operator.truediv,
-                                  torch.mul, torch.add, torch.sub, torch.neg, torch.div, torch.cat,
+                                  torch.mul, torch.add, torch.sub, torch.neg, torch.div, torch.cat, torch.concat,
+                                  torch.concatenate,
                                   torch.masked_fill, torch.nn.functional.silu, torch.nn.functional.gelu})
 
 
