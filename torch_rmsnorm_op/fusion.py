@@ -28,11 +28,11 @@ tensors of one shape (no broadcast, no ``alpha``, no scalar), in float16/bfloat1
 whose result feeds the norm directly or through a cast that changes nothing (NemotronH's and
 the Mamba family's ``norm(hidden_states.to(dtype=self.norm.weight.dtype))`` where the
 activations have the weight's dtype; ``_noop_cast``); a scalar computed between the two, as
-Dynamo computes a float eps under dynamic shapes, moves up before the add. Nor is a sum with a term that is
-an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) * sin``, Granite's
-and MiniCPM's scaled branch ``residual + hidden * multiplier``), or, in a graph not traced to
-be differentiated (inference), a mixture of experts' combined output (Mixtral's, Qwen3-MoE's
-and Qwen2-MoE's weighted expert rows, gathered back into token order and summed): Inductor
+Dynamo computes a float eps under dynamic shapes, moves up before the add. Nor is a sum with a
+term that is an elementwise result nothing else reads (RoPE's ``q * cos + rotate_half(q) *
+sin``, Granite's and MiniCPM's scaled branch ``residual + hidden * multiplier``), or, in a graph
+not traced to be differentiated (inference), a mixture of experts' combined output (Mixtral's,
+Qwen3-MoE's and Qwen2-MoE's weighted expert rows, gathered back into token order and summed): Inductor
 computes it in the kernel of that term, where the fused op would need the term written for it;
 the norm after it is left to Inductor (below). The fused op computes the sum as torch does (in
 fp32, rounded to the promoted dtype), so the sum is the same bits either way, and normalizes it
@@ -589,9 +589,9 @@ def _elementwise_read_once(x: object) -> bool:
     ``relu(gate) ** 2 * up``. Inductor computes it in the norm's kernel, where our op would need
     it written. A cast that changes nothing is not one (the residual rewrite reads through it),
     nor is an add of two tensors: the residual rewrite decides about sums (``_pointwise_sum``)."""
-    if not (isinstance(x, Node) and len(x.users) == 1 and (_is_pointwise(x) or _is_cast(x))) or _noop_cast(x):
+    if not (isinstance(x, Node) and len(x.users) == 1 and (_is_pointwise(x) or _is_cast(x))):
         return False
-    if _is_add(x):
+    if _noop_cast(x) or _is_add(x):
         return False
     tensors = [_value(a) for a in x.all_input_nodes]
     after = _value(x)

@@ -316,10 +316,9 @@ def _decomposes(x: Tensor) -> bool:
     tracing: those run as in eager mode. On CPU wherever the Triton interpreter cannot run the
     kernels when the graph runs, which leaves the reference, decided while tracing and compiled
     by Inductor: without ``TRITON_INTERPRET``, and in an AOTInductor package (which calls back
-    into no Python). With
-    the interpreter a CPU graph keeps the op whole, and each call runs the kernels interpreted.
-    The compile caches keep the two CPU graphs apart: only without the interpreter do the
-    kernels join the cache's key (``launch.register_kernels_for_cache_key``)."""
+    into no Python). With the interpreter a CPU graph keeps the op whole, and each call runs the
+    kernels interpreted. The compile caches keep the two CPU graphs apart: only without the
+    interpreter do the kernels join the cache's key (``launch.register_kernels_for_cache_key``)."""
     if x.device.type == "cuda":
         # Imported here: at the top of the module it would add 0.25 s to the package's import.
         from torch.fx.experimental.symbolic_shapes import has_free_unbacked_symbols
