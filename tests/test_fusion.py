@@ -1072,24 +1072,32 @@ def test_families_leave_to_inductor_the_norms_only_elementwise_ops_read(config, 
     or whose input is RoPE's sum, Granite's scaled branch or the experts' combined output, and
     as many ``norm_add_fwd`` as it has norms read only by a residual add that a norm reads;
     logits match the unpatched model."""
-    counts = []
-    for name in ("fuse_norm_add_norms", "decompose_epilogue_norms"):
-        real = getattr(fusion, name)
-        monkeypatch.setattr(fusion, name, lambda graph, real=real: counts.append(real(graph)) or counts[-1])
     cfg = getattr(transformers, config)(
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="eager",
         residual_multiplier=0.5, embedding_multiplier=2.0)  # Granite's; the other configs keep them as attributes
     torch.manual_seed(0)
     stock = getattr(transformers, model)(cfg).eval()
+    counts, out, want = _rewritten_in_inference(monkeypatch, stock, "fuse_norm_add_norms", "decompose_epilogue_norms")
+    assert counts == {"fuse_norm_add_norms": joined, "decompose_epilogue_norms": left}
+    torch.testing.assert_close(out, want, **MODEL[torch.float32])
+
+
+def _rewritten_in_inference(monkeypatch, stock, *passes: str):
+    """A patched copy of ``stock`` compiled afresh with Inductor, and both run without gradients
+    on the same token ids: ``(what each of the rewrites named in passes changed, the patched
+    model's logits, the stock model's)``."""
+    counts = {}
+    for name in passes:
+        real = getattr(fusion, name)
+        monkeypatch.setattr(fusion, name, lambda graph, real=real, name=name: counts.setdefault(name, real(graph)))
     patched = copy.deepcopy(stock)
     T.patch_rmsnorm(patched)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with compiling_afresh(), torch.no_grad():  # a cached graph would skip the pass
+    with compiling_afresh(), torch.no_grad():  # a cached graph would skip the passes
         out = torch.compile(patched, fullgraph=True)(input_ids=ids).logits
         want = stock(input_ids=ids).logits
-    assert counts == [joined, left]
-    torch.testing.assert_close(out, want, **MODEL[torch.float32])
+    return counts, out, want
 
 
 def test_mamba_norms_over_an_fp32_residual_stream_are_left_to_inductor(monkeypatch):
@@ -1097,18 +1105,9 @@ def test_mamba_norms_over_an_fp32_residual_stream_are_left_to_inductor(monkeypat
     bf16: Inductor adds, casts and normalizes in one kernel, so those norms are left to it (and
     the first, whose input is the embeddings); the final norm, which reads the fp32 sum itself,
     takes its add. Logits as the stock model's."""
-    counts = {}
-    for name in ("fuse_residual_adds", "decompose_epilogue_norms"):
-        real = getattr(fusion, name)
-        monkeypatch.setattr(fusion, name, lambda graph, real=real, name=name: counts.setdefault(name, real(graph)))
     cfg = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, state_size=8, use_mambapy=False)
     torch.manual_seed(0)
     stock = transformers.MambaForCausalLM(cfg).to(torch.bfloat16).eval()
-    patched = copy.deepcopy(stock)
-    T.patch_rmsnorm(patched)
-    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    with compiling_afresh(), torch.no_grad():  # a cached graph would skip the pass
-        out = torch.compile(patched, fullgraph=True)(input_ids=ids).logits
-        want = stock(input_ids=ids).logits
+    counts, out, want = _rewritten_in_inference(monkeypatch, stock, "fuse_residual_adds", "decompose_epilogue_norms")
     assert counts == {"fuse_residual_adds": 1, "decompose_epilogue_norms": 3}
     torch.testing.assert_close(out, want, **MODEL[torch.bfloat16])
