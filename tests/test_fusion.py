@@ -325,6 +325,9 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
          T.rms_norm(torch.nn.functional.embedding(IDS, TABLE).view(2, 3, 16) * 4.0, (16,), W16), PROJ) + x.sum(), True),
     ("scaled embeddings, the scale first", lambda x, c, s: torch.nn.functional.linear(
         T.rms_norm(torch.tensor(4.0) * torch.nn.functional.embedding(IDS, TABLE), (16,), W16), PROJ) + x.sum(), True),
+    ("embeddings through a dropout, then a projection", lambda x, c, s: torch.nn.functional.linear(  # T5's
+        T.rms_norm(torch.nn.functional.dropout(torch.nn.functional.embedding(IDS, TABLE), 0.0, True), (16,), W16),
+        PROJ) + x.sum(), True),
     ("embeddings plus a residual", lambda x, c, s: torch.nn.functional.linear(
         T.rms_norm(torch.nn.functional.embedding(IDS, TABLE) + x[0, 0, :3], (16,), W16), PROJ), False),
     ("embeddings through a matmul", lambda x, c, s: torch.nn.functional.linear(

@@ -537,14 +537,18 @@ def _read_pointwise_only(y: Node) -> bool:
 _EMBEDDINGS = frozenset({torch.nn.functional.embedding, torch.embedding})
 
 
+_DROPOUTS = frozenset({torch.nn.functional.dropout, torch.dropout})
+
+
 def _embedding_lookup(x: object) -> bool:
-    """Whether ``x`` is an embedding lookup, or views of one and elementwise ops of it with
-    scalars (Gemma's scaled embeddings): a gather Inductor computes in the kernel that reads
-    its result. A sum with another tensor (the residual stream after a layer) is not."""
+    """Whether ``x`` is an embedding lookup, or views of one, elementwise ops of it with scalars
+    (Gemma's scaled embeddings) and a dropout of it (T5's): a gather Inductor computes in the
+    kernel that reads its result. A sum with another tensor (the residual stream after a layer)
+    is not."""
     while isinstance(x, Node):
         if x.op == "call_function" and x.target in _EMBEDDINGS:
             return True
-        if not (_is_view(x) or _is_pointwise(x)):
+        if not (_is_view(x) or _is_pointwise(x) or (x.op == "call_function" and x.target in _DROPOUTS)):
             return False
         tensors = [a for a in x.all_input_nodes if isinstance(_value(a), torch.Tensor) and _value(a).dim() > 0]
         if len(tensors) != 1:
