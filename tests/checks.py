@@ -5,18 +5,23 @@ import contextlib
 import torch
 from tolerances import SAME_OPS_FP32, few_roundings
 
+from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
 
-def assert_computes_like(original, patched, x) -> None:
-    """``patched`` (swapped for ``original``) computes what ``original`` computes on ``x``. Its
-    output has the same dtype and lies within one unit in the last place: the kernels sum a row
-    in another order. The semantics it was given, computed by the PyTorch reference, agrees on
-    all but a few elements: an extra or missing rounding would move about a quarter of the bf16
-    ones."""
-    want, got = original(x), patched(x)
+
+def assert_computes_like(original, patched, x, gate=None) -> None:
+    """``patched`` (swapped for ``original``) computes what ``original`` computes on ``x`` (and
+    ``gate``, for a gated norm). Its output has the same dtype and lies within one unit in the
+    last place: the kernels sum a row in another order. The semantics it was given, computed by
+    the PyTorch reference, agrees on all but a few elements: an extra or missing rounding would
+    move about a quarter of the bf16 ones."""
+    inputs = (x,) if gate is None else (x, gate)
+    want, got = original(*inputs), patched(*inputs)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, **few_roundings(want.dtype))
-    shape = patched.normalized_shape or (x.shape[-1],)
-    ref = patched.semantics.reference(x, shape, patched.weight, patched.eps)
+    if isinstance(patched, PatchedGatedRMSNorm):
+        ref = patched.semantics.reference(x, gate, patched.weight, patched.eps)
+    else:
+        ref = patched.semantics.reference(x, patched.normalized_shape or (x.shape[-1],), patched.weight, patched.eps)
     assert ref.dtype == want.dtype
     if want.dtype == torch.float32:
         torch.testing.assert_close(ref, want, **SAME_OPS_FP32)

@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op.patch import PatchedRMSNorm
+from torch_rmsnorm_op.patch import PatchedGatedRMSNorm, PatchedRMSNorm
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed here")
 
@@ -76,11 +76,11 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, experts_implementation="batched_mm"), {"llama": 5}, None, True),
     # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layer
-    # (forward(hidden_states, gate): skipped); compiled under Inductor only, since aot_eager's
+    # (forward(hidden_states, gate), Llama's norm then the gate); compiled under Inductor only, since aot_eager's
     # backward of the unpatched model's linear attention fails a view (torch 2.13).
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(layer_types=["linear_attention"], use_cache=False,
                    experts_implementation="batched_mm"),  # as DeepSeek V3's, above
-                   {"gemma": 3}, "its forward takes (hidden_states, gate)", False),
+                   {"gemma": 3, "llama*silu(gate)": 1}, None, False),
     # Gemma 3n: twelve norms, among them q, k and a weightless v norm, AltUp's router norm and
     # LAuReL's, and a norm, residual add and norm that Inductor's pass joins into one op.
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(
@@ -94,18 +94,19 @@ FAMILIES = {
                   mamba_d_state=16, mamba_chunk_size=8), {"llama": 3}, None, True),
     # NemotronH: a block of Mamba, attention or MLP each behind one norm, of one rounding, read
     # through hidden_states.to(dtype=self.norm.weight.dtype), a cast that changes nothing here (the
-    # residual rewrite looks through it); its Mamba mixer's gated norm is skipped.
+    # residual rewrite looks through it); its Mamba mixer's gated norm normalizes x * silu(gate) in
+    # two groups.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         num_hidden_layers=3, layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8,
-        ssm_state_size=8, n_groups=1, chunk_size=8), {"torch": 4}, "its forward takes (hidden_states, gate)", True),
+        ssm_state_size=8, n_groups=2, chunk_size=8), {"torch": 4, "llama(x*silu(gate)), groups of 16": 1}, None, True),
     # Families of later transformers releases (skipped where the installed one lacks them). Gemma 4:
     # ten norms of one rounding, weightless v norms among them; Qwen 3.5: Qwen3-Next's `1 + weight`
     # norms and gated norm; DeepSeek V4: weightless norms that round rstd to the input's dtype
     # first (reported and left in place) beside six it swaps, one of them in its kv compressor,
     # which these short inputs never reach (compiled in test_family_under_inductor).
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {}, {"torch": 10}, None, True),
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(use_cache=False), {"gemma": 3}, "its forward takes (hidden_states, gate)",
-                True),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(use_cache=False), {"gemma": 3, "llama*silu(gate)": 1},
+                None, True),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), {"torch": 6}, COHERE_NORM, False),
 }
@@ -339,8 +340,9 @@ def test_survey_every_transformers_rmsnorm(device, module_name, class_name, copi
         with torch.no_grad():
             patched.weight.normal_(generator=torch.Generator(device).manual_seed(2))
     gen = torch.Generator().manual_seed(3)
+    gated = isinstance(patched, PatchedGatedRMSNorm)  # forward(hidden_states, gate)
     for w_dtype in (torch.float32, torch.bfloat16):
         container.to(w_dtype)
         for x_dtype in (torch.float32, torch.bfloat16):
-            x = torch.randn(4, 5, 16, generator=gen).to(device=device, dtype=x_dtype)
-            assert_computes_like(original, patched, x)
+            x, gate = (torch.randn(4, 5, 16, generator=gen).to(device=device, dtype=x_dtype) for _ in range(2))
+            assert_computes_like(original, patched, x, gate if gated else None)

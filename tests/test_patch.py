@@ -6,10 +6,11 @@ import copy
 import pytest
 import torch
 from checks import assert_computes_like
-from tolerances import MODEL, NORM_FP32, TOL
+from tolerances import MODEL, NORM_FP32, TOL, grad_tol
 from torch import nn
 
 import torch_rmsnorm_op as T
+from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
 from torch_rmsnorm_op.recognize import GEMMA, LLAMA, T5, TORCH, recognize
 from torch_rmsnorm_op.tools.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm, TinyLlama
 
@@ -113,6 +114,67 @@ class GatedRMSNorm(LlamaStyleRMSNorm):
         return super().forward(x) * (1 if gate is None else torch.sigmoid(gate))
 
 
+# The gated norms' forms (forward(hidden_states, gate)), as transformers writes them.
+class NormThenGateRMSNorm(LlamaStyleRMSNorm):
+    """Qwen3-Next's, Qwen 3.5's, OLMo-Hybrid's: Llama's norm, then silu(gate) in fp32, cast back."""
+
+    def forward(self, hidden_states, gate):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight * hidden_states.to(input_dtype)
+        return (hidden_states * nn.functional.silu(gate.to(torch.float32))).to(input_dtype)
+
+
+class Fp32SigmoidGateRMSNorm(LlamaStyleRMSNorm):
+    """Kimi Linear's: scaled in fp32, then sigmoid(gate); ``gate=None`` in the signature only."""
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = self.weight.to(torch.float32) * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+        return (hidden_states * torch.sigmoid(gate.to(torch.float32))).to(input_dtype)
+
+
+class GateThenGroupNormRMSNorm(LlamaStyleRMSNorm):
+    """Mamba 2's (Bamba's, Zamba2's, NemotronH's): x * silu(gate), normalized in groups, Llama's
+    rounding, the output not cast back; no gate, no gating."""
+
+    def __init__(self, hidden_size, group_size):
+        super().__init__(hidden_size)
+        self.group_size = group_size
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        if gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+        groups = hidden_states.view(*hidden_states.shape[:-1], -1, self.group_size)
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * groups.view(hidden_states.shape).to(input_dtype)
+
+
+class FalconH1StyleGatedRMSNorm(LlamaStyleRMSNorm):
+    """Falcon-H1's: groups, scaled in fp32, the gate before or after the norm, cast back."""
+
+    def __init__(self, hidden_size, n_groups=1, norm_before_gate=True):
+        super().__init__(hidden_size)
+        self.n_groups, self.norm_before_gate = n_groups, norm_before_gate
+
+    def forward(self, hidden_states, gate=None):
+        input_dtype = hidden_states.dtype
+        if not self.norm_before_gate and gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+        groups = hidden_states.to(torch.float32).unflatten(-1, (self.n_groups, -1))
+        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        hidden_states = (self.weight.view(self.n_groups, -1) * groups).flatten(-2)
+        if self.norm_before_gate and gate is not None:
+            hidden_states = hidden_states * nn.functional.silu(gate.to(torch.float32))
+        return hidden_states.to(input_dtype)
+
+
 class BiasRMSNorm(LlamaStyleRMSNorm):
     def __init__(self, hidden_size):
         super().__init__(hidden_size)
@@ -207,7 +269,7 @@ def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
 
 
 @pytest.mark.parametrize("module, reason", [
-    (GatedRMSNorm(16), "its forward takes (x, gate), not the input alone"),
+    (GatedRMSNorm(16), "a gated norm that computes none of"),  # its gate: sigmoid in x's dtype
     (BiasRMSNorm(16), "has parameters other than weight (bias)"),
     (nn.Sequential(), None),  # not named like a norm: not examined
     (CustomLayerNorm(16), None),  # another norm: not examined past its structure, not reported
@@ -395,3 +457,90 @@ def test_patched_module_compiles_once_across_shapes(device, cls):
     assert counter.frame_count == first
     nodes = [n for g in counter.graphs for n in g.graph.nodes if "rmsnorm.fwd" in str(n.target)]
     assert nodes and all(n.kwargs["weight_offset"] == (1.0 if cls is GemmaStyleRMSNorm else 0.0) for n in nodes)
+
+
+GATED = [
+    (lambda: NormThenGateRMSNorm(16), "llama*silu(gate)", False),
+    (lambda: Fp32SigmoidGateRMSNorm(16), "torch*sigmoid(gate)", False),
+    (lambda: GateThenGroupNormRMSNorm(16, 16), "llama(x*silu(gate))", True),
+    (lambda: GateThenGroupNormRMSNorm(16, 4), "llama(x*silu(gate)), groups of 4", True),
+    (lambda: FalconH1StyleGatedRMSNorm(16, 2, True), "torch*silu(gate), groups of 8", True),
+    (lambda: FalconH1StyleGatedRMSNorm(16, 1, False), "torch(x*silu(gate))", True),
+]
+
+
+@pytest.mark.parametrize("make, semantics, gate_optional", GATED, ids=[name for _, name, _ in GATED])
+def test_gated_norms_are_swapped_by_what_they_compute(device, make, semantics, gate_optional):
+    """A norm whose forward takes (hidden_states, gate) is probed like any other, against each
+    form (the gate before or after the norm, silu or sigmoid, Llama's rounding or fp32, groups
+    its attributes name) and swapped for a ``PatchedGatedRMSNorm``: outputs, their dtype and the
+    gradients of x, the gate and the weight agree with the original's; without a gate it
+    computes what the original does, or refuses where the original cannot run."""
+    original = make().to(device)
+    with torch.no_grad():
+        original.weight.normal_(generator=torch.Generator(device).manual_seed(0))
+    model = nn.ModuleList([original])
+    report = T.patch_rmsnorm(model)
+    assert report.swapped == [("0", type(original).__name__, semantics)], report
+    patched = model[0]
+    assert isinstance(patched, PatchedGatedRMSNorm) and patched.weight is original.weight
+    gen = torch.Generator().manual_seed(1)
+    for w_dtype in (torch.float32, torch.bfloat16):
+        model.to(w_dtype)
+        for x_dtype in (torch.float32, torch.bfloat16):
+            x, gate = (torch.randn(3, 5, 16, generator=gen).to(device=device, dtype=x_dtype) for _ in range(2))
+            assert_computes_like(original, patched, x, gate)
+    model.float()
+    x, gate = (torch.randn(6, 16, generator=gen, device="cpu").to(device).requires_grad_() for _ in range(2))
+    dy = torch.randn(6, 16, generator=gen).to(device)
+    want = torch.autograd.grad(original(x, gate), (x, gate, original.weight), dy)
+    got = torch.autograd.grad(patched(x, gate), (x, gate, patched.weight), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+    if gate_optional:
+        assert_computes_like(original, patched, x.detach())
+    else:
+        with pytest.raises(TypeError, match="needs gate"):
+            patched(x)
+
+
+def test_gated_norms_are_left_to_inductor(device):
+    """Compiled, a gated norm's gate (before the norm or after it) and casts are elementwise
+    ops around ``rmsnorm.fwd``, which the Inductor pass hands to Inductor with them, as the
+    stock model's one fused kernel: no kernel of ours runs, outputs and gradients agree with
+    the unpatched model; ``aot_eager`` (no Inductor pass) keeps one ``rmsnorm.fwd`` per norm."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norms = nn.ModuleList([make() for make, _, _ in GATED])
+            self.proj = nn.Linear(16, 32 * len(self.norms))
+
+        def forward(self, x):
+            parts = self.proj(x).chunk(2 * len(self.norms), dim=-1)
+            return sum(norm(parts[2 * i], parts[2 * i + 1]) for i, norm in enumerate(self.norms))
+
+    torch.manual_seed(0)
+    model = Block().to(device)
+    with torch.no_grad():
+        for norm in model.norms:
+            norm.weight.normal_()
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 6, 16, device=device)
+    want_out = reference(x)
+    want = torch.autograd.grad(want_out.sum(), list(reference.parameters()))
+    assert len(T.patch_rmsnorm(model).swapped) == len(GATED)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        T.reset_dispatch_stats()
+        counter = CompileCounterWithBackend(backend)
+        out = torch.compile(model, backend=counter, fullgraph=True)(x)
+        got = torch.autograd.grad(out.sum(), list(model.parameters()))
+        torch.testing.assert_close(out, want_out, **MODEL[torch.float32])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **MODEL[torch.float32])
+        if backend == "aot_eager":
+            assert sum("rmsnorm.fwd" in str(n.target) for n in counter.graphs[0].graph.nodes) == len(GATED)
+        elif device.type == "cpu":  # a compiled CPU graph calls the ops it keeps: none
+            assert not T.dispatch_stats()["kernel"], T.dispatch_stats()

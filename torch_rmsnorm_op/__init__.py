@@ -17,11 +17,19 @@ from torch_rmsnorm_op.fallback import (
 )
 from torch_rmsnorm_op.functional import add_rms_norm, rms_norm
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.patch import PatchedRMSNorm, PatchReport, patch_rmsnorm, patched_rmsnorm, unpatch_rmsnorm
+from torch_rmsnorm_op.patch import (
+    PatchedGatedRMSNorm,
+    PatchedRMSNorm,
+    PatchReport,
+    patch_rmsnorm,
+    patched_rmsnorm,
+    unpatch_rmsnorm,
+)
 
 __all__ = [
     "FallbackError",
     "PatchReport",
+    "PatchedGatedRMSNorm",
     "PatchedRMSNorm",
     "RMSNorm",
     "RMSNormDTypeError",

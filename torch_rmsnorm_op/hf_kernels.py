@@ -55,7 +55,7 @@ def _probe_class(cls: type[nn.Module], eps_attribute: str) -> str | None:
     stand_in.weight = nn.Parameter(torch.ones(32))
     setattr(stand_in, eps_attribute, 1e-6)
     try:
-        found = recognize(stand_in, by_name=False)
+        found = recognize(stand_in, by_name=False, gated=False)
     except Exception as e:  # the class needs more than weight and the epsilon attribute
         found = None
         reason = f"{type(e).__name__}: {e}"

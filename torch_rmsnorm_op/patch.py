@@ -7,7 +7,9 @@ the RMSNorm semantics that ``rms_norm``'s keyword arguments express (``torch``:
 computes, never by its class name alone: each candidate's own forward runs on probe
 inputs against each semantics (``recognize`` says how), so a lookalike with other
 semantics is skipped with the measured difference, never silently changed. Every
-module the patcher examines and leaves alone is in the report with the reason.
+module the patcher examines and leaves alone is in the report with the reason. Gated
+norms (``forward(hidden_states, gate)``) are recognized the same way against the gated
+forms (``recognize.GatedSemantics``) and swapped for a ``PatchedGatedRMSNorm``.
 
 The replacement keeps the very same ``Parameter`` object (optimizers and
 checkpoints stay valid; ``state_dict`` keys do not change) and remembers the
@@ -28,7 +30,7 @@ from torch import Tensor, nn
 
 from torch_rmsnorm_op import fusion, static_launch
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.recognize import Semantics, recognize
+from torch_rmsnorm_op.recognize import GatedSemantics, Semantics, recognize
 
 
 class PatchedRMSNorm(nn.Module):
@@ -40,7 +42,7 @@ class PatchedRMSNorm(nn.Module):
     """
 
     def __init__(self, original: nn.Module, normalized_shape: tuple[int, ...] | None, eps: float | None,
-                 weight: nn.Parameter | None, semantics: Semantics) -> None:
+                 weight: nn.Parameter | None, semantics: Semantics | GatedSemantics) -> None:
         super().__init__()
         self.normalized_shape = normalized_shape
         self.eps = eps
@@ -59,6 +61,24 @@ class PatchedRMSNorm(nn.Module):
     def extra_repr(self) -> str:
         shape = "last dim" if self.normalized_shape is None else tuple(self.normalized_shape)
         return f"{shape}, eps={self.eps}, {self.semantics.name}, replaces={type(self._original).__name__}"
+
+
+class PatchedGatedRMSNorm(PatchedRMSNorm):
+    """A gated RMSNorm (``forward(hidden_states, gate)``: Qwen3-Next's, Mamba 2's) whose norm
+    ``torch.ops.rmsnorm`` serves, standing in for ``original``. ``semantics`` (a
+    ``GatedSemantics``) says where the gate multiplies, with which activation, and over which
+    groups the norm runs; the gate, its activation and the casts around the norm are torch
+    ops, which Inductor fuses with the norm when compiled (``fusion``)."""
+
+    def __init__(self, original: nn.Module, eps: float | None, weight: nn.Parameter,
+                 semantics: GatedSemantics) -> None:
+        super().__init__(original, (weight.shape[0],), eps, weight, semantics)
+
+    def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+        if gate is None and not self.semantics.gate_optional:
+            raise TypeError(f"{type(self._original).__name__}.forward() needs gate: the module it replaces "
+                            f"takes no gate=None")
+        return self.semantics.rms_norm(hidden_states, gate, self.weight, self.eps)
 
 
 class Swapped(NamedTuple):
@@ -108,6 +128,8 @@ def _replacement(module: nn.Module, cache: dict) -> tuple[PatchedRMSNorm | None,
         return None, None
     if found.semantics is None:
         return None, found.reason
+    if isinstance(found.semantics, GatedSemantics):
+        return PatchedGatedRMSNorm(module, found.eps, found.weight, found.semantics), None
     return PatchedRMSNorm(module, found.normalized_shape, found.eps, found.weight, found.semantics), None
 
 

@@ -23,20 +23,26 @@ the name in any case, or a name ending in "Norm" (``T5LayerNorm``, ``Llama4TextL
 An examined module is *RMSNorm-like* when it has no submodules, no buffers, no
 parameter but ``weight`` (a 1-D Parameter; ``normalized_shape`` for ``nn.RMSNorm``) or
 none, a number in ``variance_epsilon``, ``eps`` or ``epsilon``, a ``forward`` that takes
-the input alone, and no hooks or forward of its own on the instance (a swap would drop
-them). The *probe* then decides what it computes: its own forward runs on a deepcopy
-holding a random weight (so neither Llama's init of ones nor Gemma's of zeros hides a
-difference), in train and eval mode, on inputs of fp32 and bf16 (and the weight's own
-dtype) with weights of each of those dtypes, including a row whose mean square equals
-the epsilon; each semantics (with each epsilon attribute's value) is computed on the
-same inputs by the PyTorch reference, and the first one that agrees on every probe is
-chosen. Agreement means the same shape and dtype, no element further apart than one
-unit in the last place of the output dtype, and at most 2% of the elements apart at
-all beyond fp32 rounding noise (a semantics that rounds once more than the module
-moves about a quarter of the bf16 elements by one unit). Finally the chosen semantics
-runs through ``torch_rmsnorm_op.rms_norm`` itself on the probe of the weight's dtype,
-as it will once swapped, and must agree within one unit everywhere. A module that
+the input alone (or, with a weight, the input and a gate: below), and no hooks or
+forward of its own on the instance (a swap would drop them). The *probe* then decides
+what it computes: its own forward runs on a deepcopy holding a random weight (so
+neither Llama's init of ones nor Gemma's of zeros hides a difference), in train and
+eval mode, on inputs of fp32 and bf16 (and the weight's own dtype) with weights of
+each of those dtypes, including a row whose mean square equals the epsilon; each
+semantics (with each epsilon attribute's value) is computed on the same inputs by the
+PyTorch reference, and the first one that agrees on every probe is chosen. Agreement
+means the same shape and dtype, no element further apart than one unit in the last
+place of the output dtype, and at most 2% of the elements apart at all beyond fp32
+rounding noise (a semantics that rounds once more than the module moves about a
+quarter of the bf16 elements by one unit). Finally the chosen semantics runs through
+``torch_rmsnorm_op.rms_norm`` itself on the probe of the weight's dtype, as it will
+once swapped, and must agree within one unit everywhere. A module that
 fails any of this is left alone with the reason.
+
+A gated norm, whose forward takes the input and a gate (Qwen3-Next's, Mamba 2's), is
+examined alike against ``GatedSemantics``: a form from ``GATED_FORMS`` (the gate before
+or after the norm, Llama's rounding or fp32), the gate's activation and the groups the
+norm runs over, its forward run on (x, gate) pairs.
 """
 
 from __future__ import annotations
@@ -45,12 +51,13 @@ import copy
 import inspect
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from torch_rmsnorm_op import reference
 from torch_rmsnorm_op.fallback import fallback_policy
@@ -131,13 +138,100 @@ SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5)
 SEMANTICS_BY_NAME: dict[str, Semantics] = {s.name: s for s in SEMANTICS}
 
 
+# --- gated norms ------------------------------------------------------------------------------
+
+GATE_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+@dataclass(frozen=True)
+class GatedForm:
+    """Where a gated RMSNorm's gate ``act(gate)`` (computed in fp32) multiplies, and how its norm
+    rounds. ``gate_first``: the gate multiplies x (cast to fp32) and the product is normalized
+    (Mamba 2's order), else it multiplies the norm's output. ``norm``: ``LLAMA`` (the normalized
+    row rounded to x's dtype before the weight) or ``TORCH`` (scaled by the weight in fp32).
+    ``cast_back``: the result is cast to x's dtype."""
+
+    name: str
+    formula: str
+    gate_first: bool
+    norm: Semantics
+    cast_back: bool
+
+
+GATED_FORMS: tuple[GatedForm, ...] = (
+    GatedForm("llama*{act}(gate)", "(w * n.to(x.dtype) * act(gate.float())).to(x.dtype)", False, LLAMA, True),
+    GatedForm("torch*{act}(gate)", "(w.float() * n * act(gate.float())).to(x.dtype)", False, TORCH, True),
+    GatedForm("llama(x*{act}(gate))", "w * norm(x.float() * act(gate.float())).to(x.dtype)", True, LLAMA, False),
+    GatedForm("torch(x*{act}(gate))", "(w * norm(x.float() * act(gate.float()))).to(x.dtype)", True, TORCH, True),
+)
+
+
+@dataclass(frozen=True)
+class GatedSemantics:
+    """A gated RMSNorm (``forward(hidden_states, gate)``): its ``form``, the gate's
+    ``activation`` (a key of ``GATE_ACTIVATIONS``), and ``group_size`` where the norm normalizes
+    groups of that many elements of the last dim (Mamba 2's ``n_groups``; None: the whole
+    row). ``gate_optional``: the module's forward takes ``gate=None`` (then no gate multiplies)."""
+
+    form: GatedForm
+    activation: str
+    group_size: int | None = None
+    gate_optional: bool = False
+
+    @property
+    def name(self) -> str:
+        name = self.form.name.format(act=self.activation)
+        return name if self.group_size is None else f"{name}, groups of {self.group_size}"
+
+    def compute(self, x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float | None,
+                norm: Callable[..., Tensor]) -> Tensor:
+        """The gated norm with ``norm`` (``rms_norm``'s signature and keywords) computing the
+        norm's part; the gate, the groups' weight and the casts in torch ops."""
+        x_dtype = x.dtype
+        ctype = reference.computation_dtype(x_dtype)
+        act = None if gate is None else GATE_ACTIVATIONS[self.activation](gate.to(ctype))
+        h = x.to(ctype) * act if act is not None and self.form.gate_first else x
+        grouped = self.group_size is not None and self.group_size != h.shape[-1]
+        w = None if grouped else weight
+        if self.form.norm is LLAMA:  # rounded to x's dtype, then scaled: output promote(w, x)
+            norm_dtype = None if x_dtype == ctype or w is None else x_dtype
+            out_dtype = x_dtype if w is None else torch.promote_types(w.dtype, x_dtype)
+        else:  # scaled in fp32, rounded at the end
+            norm_dtype, out_dtype = None, ctype if w is None else torch.promote_types(w.dtype, ctype)
+        if grouped:
+            rows = h.unflatten(-1, (h.shape[-1] // self.group_size, self.group_size))
+            y = norm(rows, (self.group_size,), None, eps, norm_dtype=norm_dtype,
+                     out_dtype=None if out_dtype == h.dtype else out_dtype).flatten(-2)
+            y = y if weight is None else weight * y
+        else:
+            y = norm(h, (h.shape[-1],), w, eps, norm_dtype=norm_dtype,
+                     out_dtype=None if out_dtype == h.dtype else out_dtype)
+        if act is not None and not self.form.gate_first:
+            y = y * act
+        return y.to(x_dtype) if self.form.cast_back else y
+
+    def rms_norm(self, x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float | None) -> Tensor:
+        """This gated norm with its norm computed by ``torch_rmsnorm_op.rms_norm`` (the kernels)."""
+        return self.compute(x, gate, weight, eps, rms_norm)
+
+    def reference(self, x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float | None) -> Tensor:
+        """This gated norm with its norm computed by the PyTorch reference."""
+        return self.compute(x, gate, weight, eps, _reference_norm)
+
+
+def _reference_norm(x: Tensor, shape: Sequence[int], weight: Tensor | None, eps: float | None, *,
+                    norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    eps = reference.default_eps(x.dtype) if eps is None else eps
+    return reference.rms_norm_forward(x, weight, eps, 0.0, norm_dtype, out_dtype)[0]
+
+
 @dataclass(frozen=True)
 class Recognition:
     """What ``recognize`` found: the semantics with the epsilon and shape the module uses, or
     ``semantics`` None and the ``reason`` it is left alone. ``normalized_shape`` None: the
     module (one without weight) normalizes the last dim of whatever input it gets."""
 
-    semantics: Semantics | None
+    semantics: Semantics | GatedSemantics | None
     normalized_shape: tuple[int, ...] | None = None
     eps: float | None = None
     weight: nn.Parameter | None = None
@@ -156,10 +250,12 @@ def _named_like_a_norm(module: nn.Module) -> tuple[bool, bool]:
     return examined, named_rms
 
 
-def _structure(module: nn.Module, torch_norm: bool) -> tuple[tuple[int, ...] | None, list[float | None], str | None]:
+def _structure(module: nn.Module, torch_norm: bool, gated: bool = True
+               ) -> tuple[tuple[int, ...] | None, list[float | None], str | None]:
     """``(normalized_shape, epsilon candidates, None)`` for an RMSNorm-like module, else
     ``(None, [], why not)``. ``normalized_shape`` is ``(32,)`` for a module without weight:
-    such a module normalizes whatever last dim it gets."""
+    such a module normalizes whatever last dim it gets. ``gated``: a forward taking the input
+    and a gate (``_gate_parameter``) is RMSNorm-like too, where the module has a weight."""
     children = [name for name, _ in module.named_children()]
     if children:
         return None, [], f"has submodules ({', '.join(children)})"
@@ -193,7 +289,8 @@ def _structure(module: nn.Module, torch_norm: bool) -> tuple[tuple[int, ...] | N
     except (TypeError, ValueError):
         params = []
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if len(params) != 1 or params[0].kind not in positional:
+    gate = gated and not torch_norm and weight is not None and _gate_parameter(module) is not None
+    if not gate and (len(params) != 1 or params[0].kind not in positional):
         names = ", ".join(p.name for p in params)
         return None, [], f"its forward takes ({names}), not the input alone"
     if "forward" in vars(module):
@@ -203,6 +300,21 @@ def _structure(module: nn.Module, torch_norm: bool) -> tuple[tuple[int, ...] | N
     if hooks:
         return None, [], f"has hooks ({', '.join(h.strip('_') for h in hooks)}): a swap would drop them"
     return shape, eps_values, None
+
+
+def _gate_parameter(module: nn.Module) -> inspect.Parameter | None:
+    """The gate of a forward that takes ``(input, gate)`` or ``(input, gate=None)``, both
+    positional, else None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 2 or any(p.kind not in positional for p in params) or params[0].default is not params[0].empty:
+        return None
+    if params[1].default not in (params[1].empty, None):
+        return None
+    return params[1]
 
 
 def _probe_dtypes(weight: Tensor | None) -> tuple[torch.dtype, ...]:
@@ -270,10 +382,10 @@ def _clone_with_weight(module: nn.Module, weight: nn.Parameter | None, value: Te
     return copy.deepcopy(module, memo)
 
 
-def _run(module: nn.Module, x: Tensor) -> Tensor:
+def _run(module: nn.Module, *inputs: Tensor | None) -> Tensor:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. F.rms_norm's "Mismatch dtype between input and weight"
-        return module(x)
+        return module(*inputs)
 
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype)
@@ -295,19 +407,20 @@ def _probe_key(module: nn.Module, shape: tuple[int, ...], weight: Tensor | None)
     return type(module), module.training, shape, w, tuple(state)
 
 
-def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = None) -> Recognition | None:
+def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = None,
+              gated: bool = True) -> Recognition | None:
     """What ``module`` computes (module docstring): None when it is not examined (not named
     like a norm, or named like another norm and not RMSNorm-like); else a ``Recognition``
-    with the semantics, or with the reason it is left alone. ``by_name=False`` examines the
-    module whatever its name (its class declares itself an RMSNorm some other way).
-    ``cache`` (a dict the caller keeps, e.g. for one model) shares a probe's result among
-    modules that only the weight's values tell apart. ``module`` itself is not run and not
-    changed."""
+    with the semantics (a ``GatedSemantics`` for a gated norm), or with the reason it is left
+    alone. ``by_name=False`` examines the module whatever its name (its class declares itself
+    an RMSNorm some other way); ``gated=False`` leaves gated norms alone. ``cache`` (a dict
+    the caller keeps, e.g. for one model) shares a probe's result among modules that only the
+    weight's values tell apart. ``module`` itself is not run and not changed."""
     torch_norm = isinstance(module, nn.RMSNorm)
     examined, named_rms = _named_like_a_norm(module) if by_name else (True, True)
     if not (torch_norm or examined):
         return None
-    shape, eps_values, why = _structure(module, torch_norm)
+    shape, eps_values, why = _structure(module, torch_norm, gated)
     if why is not None:
         if not (torch_norm or named_rms):
             return None
@@ -320,7 +433,11 @@ def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = N
     key = None if cache is None else _probe_key(module, shape, weight)
     found = cache.get(key) if key is not None else None
     if found is None:
-        found = _probe(module, shape, eps_values, weight, device)
+        gate = None if torch_norm or not gated else _gate_parameter(module)
+        if gate is None:
+            found = _probe(module, shape, eps_values, weight, device)
+        else:
+            found = _probe_gated(module, shape, eps_values, weight, device, gate.default is None)
         if key is not None:
             cache[key] = found
     if found.semantics is None:
@@ -386,6 +503,93 @@ def _verify(probes: list[tuple[Tensor, Tensor | None, Tensor]], semantics: Seman
     try:
         with torch.no_grad(), fallback_policy("reference"):
             got = semantics.rms_norm(x, shape, w, eps)
+    except Exception as e:
+        return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
+    _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
+    if failure is not None:
+        return Recognition(None, reason=f"computes {semantics.name}, but rms_norm disagrees on the probe: {failure}")
+    return Recognition(semantics, shape, eps, weight)
+
+
+def _group_sizes(module: nn.Module, n: int) -> list[int | None]:
+    """The whole row (None), then the group sizes the module's attributes name: ``group_size``,
+    or ``n // n_groups`` (Mamba 2's and Falcon-H1's gated norms normalize groups of the last
+    dim). The probe decides which one the module computes."""
+    sizes: list[int | None] = [None]
+    group_size, n_groups = getattr(module, "group_size", None), getattr(module, "n_groups", None)
+    for size in (group_size, n // n_groups if isinstance(n_groups, int) and n_groups > 0 else None):
+        if isinstance(size, int) and not isinstance(size, bool) and 0 < size < n and not n % size and size not in sizes:
+            sizes.append(size)
+    return sizes
+
+
+def _probe_gated(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | None], weight: nn.Parameter,
+                 device: torch.device, gate_optional: bool) -> Recognition:
+    """``_probe`` for a gated norm: the module's forward runs on (x, gate) (and on (x, None)
+    where it takes ``gate=None``), the gate of x's dtype, and every ``GatedSemantics`` (form,
+    activation, group size) is computed on the same inputs by the PyTorch reference; the first
+    that agrees on every probe, then verified through the kernels, is chosen."""
+    dtypes = _probe_dtypes(weight)
+    x64 = _probe_input(shape, eps_values, device)
+    gen = torch.Generator().manual_seed(2)
+    gate64 = (3.0 * torch.randn(x64.shape, generator=gen, dtype=torch.float64)).to(device)
+    w64 = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
+    probes: list[tuple[Tensor, Tensor | None, Tensor, Tensor]] = []  # (x, gate, weight, the module's output)
+    for w_dtype in dtypes:
+        clone = _clone_with_weight(module, weight, w64.to(w_dtype))
+        for x_dtype in dtypes:
+            x = x64.to(x_dtype)
+            for gate in (gate64.to(x_dtype), None) if gate_optional else (gate64.to(x_dtype),):
+                try:
+                    want = _run(clone, x, gate)
+                except Exception as e:  # a forward that cannot run this pair
+                    if gate is None:  # gate=None in the signature only: the replacement will refuse None
+                        gate_optional = False
+                    elif x_dtype == w_dtype:
+                        return Recognition(None, reason=f"its forward failed on the probe: {type(e).__name__}: {e}")
+                    continue
+                if not isinstance(want, Tensor):
+                    return Recognition(None, reason=f"its forward returns a {type(want).__name__}, not a tensor")
+                if not probes:
+                    clone.train(not module.training)
+                    again = _run(clone, x, gate)
+                    clone.train(module.training)
+                    if not (isinstance(again, Tensor) and again.shape == want.shape and torch.equal(again, want)):
+                        return Recognition(None, reason="its forward differs between train and eval mode")
+                probes.append((x, gate, clone.weight, want))
+    if not gate_optional:
+        probes = [p for p in probes if p[1] is not None]
+    best: tuple[float, str, str] | None = None
+    candidates = [GatedSemantics(form, act, size, gate_optional) for form in GATED_FORMS for act in GATE_ACTIVATIONS
+                  for size in _group_sizes(module, shape[0])]
+    for eps in eps_values:
+        for semantics in candidates:
+            failure = None
+            for x, gate, w, want in probes:
+                size, failure = _disagreement(want, semantics.reference(x, gate, w, eps))
+                if failure is not None:
+                    where = f"x {_name(x.dtype)}, weight {_name(w.dtype)}" + (", no gate" if gate is None else "")
+                    if best is None or size < best[0]:
+                        best = (size, semantics.name, f"{failure} at {where}")
+                    break
+            if failure is None:
+                return _verify_gated(probes, semantics, shape, eps, weight)
+    assert best is not None
+    names = ", ".join(form.name.format(act="act") for form in GATED_FORMS)
+    acts = "/".join(GATE_ACTIVATIONS)
+    return Recognition(None, reason=f"a gated norm that computes none of {names} (act: {acts}; "
+                                    f"closest: {best[1]}, {best[2]})")
+
+
+def _verify_gated(probes: list[tuple[Tensor, Tensor | None, Tensor, Tensor]], semantics: GatedSemantics,
+                  shape: tuple[int, ...], eps: float | None, weight: nn.Parameter) -> Recognition:
+    """``_verify`` for a gated norm, on the probe of the weight's own dtype with a gate."""
+    own = weight.dtype
+    x, gate, w, want = next((p for p in probes if p[0].dtype == own and p[2].dtype == own and p[1] is not None),
+                            probes[0])
+    try:
+        with torch.no_grad(), fallback_policy("reference"):
+            got = semantics.rms_norm(x, gate, w, eps)
     except Exception as e:
         return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
     _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
