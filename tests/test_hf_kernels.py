@@ -10,6 +10,7 @@ import torch
 from checks import tiny_llama
 from tolerances import MODEL, few_roundings
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import hf_kernels
@@ -20,7 +21,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 from kernels import Mode, kernelize, use_kernel_mapping  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm  # noqa: E402
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated  # noqa: E402
 
 # fp32 on CPU, the kernels reducing in another order than the modules: the loss a few
 # roundings apart, the gradients as a whole model's.
@@ -146,6 +147,50 @@ def test_layers_decide_per_class(device, mark, fresh_probes):
         assert (ref != want).float().mean().item() <= 0.05
 
 
+class SigmoidGatedRMSNorm(Qwen3_5RMSNormGated):
+    """Qwen 3.5's gated norm with the activation Kimi Linear's has (an attribute its forward reads)."""
+
+    def __init__(self, hidden_size):
+        super().__init__(hidden_size)
+        self.activation = "sigmoid"
+
+
+def test_gated_layer(device, mark, fresh_probes):
+    """The ``"RMSNormGated"`` layer probes each class with the module's plain attributes (the
+    activation's name): Qwen 3.5's gated norm is served as Llama's norm then silu(gate), the
+    same class with sigmoid as such; eager and compiled (aot_eager, one ``rmsnorm.fwd`` per
+    norm), outputs and gradients as the original's."""
+    mark(Qwen3_5RMSNormGated, "RMSNormGated")
+    model = nn.ModuleList([Qwen3_5RMSNormGated(64), SigmoidGatedRMSNorm(64)]).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    original = copy.deepcopy(model)
+    with use_kernel_mapping(hf_kernels.kernel_mapping(device_types=(device.type,)), inherit_mapping=False):
+        kernelize(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE, device=device.type)
+    assert all(m.forward.__func__ is hf_kernels.RMSNormGated.forward for m in model)
+    gen = torch.Generator().manual_seed(0)
+    x, gate = (torch.randn(8, 64, generator=gen).to(device) for _ in range(2))
+
+    def outputs(modules):
+        return sum(m(x, gate) * (i + 1) for i, m in enumerate(modules))
+
+    want = outputs(original)
+    want_grads = torch.autograd.grad(want.sum(), list(original.parameters()))
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    for run in (lambda: outputs(model), torch.compile(lambda: outputs(model), backend=counter, fullgraph=True)):
+        T.reset_dispatch_stats()
+        got = run()
+        torch.testing.assert_close(got, want, **OUTPUT_TOL)
+        for a, b in zip(torch.autograd.grad(got.sum(), list(model.parameters())), want_grads):
+            torch.testing.assert_close(a, b, **GRAD_TOL)
+        assert T.dispatch_stats()["kernel"]["rmsnorm.bwd"] == 2
+    assert sum("rmsnorm.fwd" in str(n.target) for n in counter.graphs[0].graph.nodes) == 2
+    names = sorted(hf_kernels._class_semantics_cache.values())
+    assert names == ["llama*sigmoid(gate)", "llama*silu(gate)"], names
+
+
 def test_repository_and_mapping():
     repo = hf_kernels.Repository("RMSNorm")
     assert repo.load() is hf_kernels.RMSNorm and repo == hf_kernels.Repository("RMSNorm")
@@ -153,7 +198,7 @@ def test_repository_and_mapping():
     with pytest.raises(ValueError, match="layer_name must be one of"):
         hf_kernels.Repository("LayerNorm")
     mapping = hf_kernels.kernel_mapping()
-    assert set(mapping) == {"RMSNorm", "RMSNormZeroCentered"}
+    assert set(mapping) == {"RMSNorm", "RMSNormZeroCentered", "RMSNormGated"}
     assert set(mapping["RMSNorm"]) == {"cuda", "rocm"}
     assert set(mapping["RMSNorm"]["cuda"]) == {Mode.INFERENCE, Mode.TRAINING, Mode.INFERENCE | Mode.TORCH_COMPILE,
                                                Mode.TRAINING | Mode.TORCH_COMPILE}

@@ -4,9 +4,10 @@
 class carries a ``kernel_layer_name`` by the ``forward`` of the layer that the registered
 mapping gives for that name, the device type and the mode. transformers marks its
 RMSNorm classes so (``use_kernel_forward_from_hub``) when a ``kernels`` release it
-supports is installed: ``"RMSNorm"`` (classes with ``weight`` and ``variance_epsilon``)
-and ``"RMSNormZeroCentered"`` (Qwen3.5's ``(1 + weight)`` norms, with ``weight`` and
-``eps``). ``kernel_mapping()`` maps both names to this package's layers::
+supports is installed: ``"RMSNorm"`` (classes with ``weight`` and ``variance_epsilon``),
+``"RMSNormZeroCentered"`` (Qwen3.5's ``(1 + weight)`` norms, with ``weight`` and ``eps``)
+and ``"RMSNormGated"`` (gated norms, ``forward(hidden_states, gate)``, with ``weight`` and
+``variance_epsilon``). ``kernel_mapping()`` maps the three names to this package's layers::
 
     from kernels import Mode, kernelize, use_kernel_mapping
     from torch_rmsnorm_op.hf_kernels import kernel_mapping
@@ -20,11 +21,12 @@ repositories (``layer_name`` and ``load()`` returning the layer class), as
 do; they load the layers from this package, so nothing is fetched or built.
 
 One layer name covers classes that compute differently (transformers 5.24 puts
-``"RMSNorm"`` on 131 classes with Llama's forward and 14 that round once, as OLMo2),
-and a ``kernels`` layer holds no state of its own. So the layers decide per class: the
-first call for a class probes that class's own forward (``recognize``) on a stand-in
-instance holding only what the layer reads (a random ``weight`` and the epsilon
-attribute), once per class. Under ``torch.compile`` the probe runs while the graph is
+``"RMSNorm"`` on 131 classes with Llama's forward and 14 that round once, as OLMo2), and
+a ``kernels`` layer holds no state of its own. So the layers decide per class: the first
+call for a class probes that class's own forward (``recognize``) on a stand-in instance
+holding only what the layer reads (a random ``weight`` and the epsilon attribute; for
+the gated layer also the module's plain attributes, such as its activation's name, which
+join the key), once per class. Under ``torch.compile`` the probe runs while the graph is
 traced (``torch.compiler.assume_constant_result``), so the graph holds the chosen call
 alone. A class whose forward computes none of the semantics, or reads anything else,
 keeps its own forward (the layer calls it) and a warning says why.
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, recognize
+from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, GatedSemantics, recognize
 
 if TYPE_CHECKING:
     from kernels import Mode
@@ -49,33 +51,50 @@ _lock = threading.Lock()
 _class_semantics_cache: dict[tuple[type, str], str | None] = {}
 
 
-def _probe_class(cls: type[nn.Module], eps_attribute: str) -> str | None:
+_gated_semantics: dict[str, GatedSemantics] = {}  # the gated layer's semantics, by _gated_key
+
+
+def _gated_key(semantics: GatedSemantics) -> str:
+    return f"{semantics.name}, gate optional" if semantics.gate_optional else semantics.name
+
+
+def _probe_class(cls: type[nn.Module], eps_attribute: str, gated: bool = False,
+                 attributes: tuple[tuple[str, object], ...] = (), size: int = 32) -> str | None:
     stand_in = cls.__new__(cls)
     nn.Module.__init__(stand_in)
-    stand_in.weight = nn.Parameter(torch.ones(32))
+    stand_in.weight = nn.Parameter(torch.ones(size))
     setattr(stand_in, eps_attribute, 1e-6)
+    for name, value in attributes:
+        setattr(stand_in, name, value)
     try:
-        found = recognize(stand_in, by_name=False, gated=False)
+        found = recognize(stand_in, by_name=False, gated=gated)
     except Exception as e:  # the class needs more than weight and the epsilon attribute
         found = None
         reason = f"{type(e).__name__}: {e}"
     else:
         reason = "not examined" if found is None else found.reason
     if found is None or found.semantics is None:
+        given = ", ".join(["weight", *(name for name, _ in attributes)]) + " and"
         warnings.warn(f"torch_rmsnorm_op.hf_kernels: {cls.__module__}.{cls.__qualname__} keeps its own forward "
-                      f"(its forward, given weight and {eps_attribute}: {reason})", stacklevel=2)
+                      f"(its forward, given {given} {eps_attribute}: {reason})", stacklevel=2)
         return None
+    if isinstance(found.semantics, GatedSemantics):
+        _gated_semantics[_gated_key(found.semantics)] = found.semantics
+        return _gated_key(found.semantics)
     return found.semantics.name
 
 
 @torch.compiler.assume_constant_result
-def _class_semantics(cls: type[nn.Module], eps_attribute: str) -> str | None:
+def _class_semantics(cls: type[nn.Module], eps_attribute: str, gated: bool = False,
+                     attributes: tuple[tuple[str, object], ...] = (), size: int = 32) -> str | None:
     """The name of the semantics (``recognize.SEMANTICS_BY_NAME``) that ``cls``'s own forward
-    computes from ``weight`` and ``eps_attribute``, or None; probed once per class."""
-    key = (cls, eps_attribute)
+    computes from ``weight`` and ``eps_attribute``, or None; probed once per class. For the
+    ``gated`` layer, ``attributes`` (the module's plain attributes) and the weight's ``size``
+    join the probe and the key, and the name is a key of ``_gated_semantics``."""
+    key = (cls, eps_attribute, gated, attributes, size)
     with _lock:
         if key not in _class_semantics_cache:
-            _class_semantics_cache[key] = _probe_class(cls, eps_attribute)
+            _class_semantics_cache[key] = _probe_class(cls, eps_attribute, gated, attributes, size)
         return _class_semantics_cache[key]
 
 
@@ -84,6 +103,23 @@ def _layer_forward(module: nn.Module, x: Tensor, eps_attribute: str) -> Tensor:
     if name is None:
         return type(module).forward(module, x)
     return SEMANTICS_BY_NAME[name].rms_norm(x, (x.shape[-1],), module.weight, getattr(module, eps_attribute))
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _gated_layer_forward(module: nn.Module, x: Tensor, gate: Tensor | None, eps_attribute: str) -> Tensor:
+    # What else a gated forward reads: its plain attributes (the activation's name, a group size).
+    attributes = tuple(sorted((name, value) for name, value in vars(module).items()
+                              if not name.startswith("_") and name not in ("training", eps_attribute)
+                              and isinstance(value, _PLAIN)))
+    key = _class_semantics(type(module), eps_attribute, True, attributes, module.weight.shape[0])
+    if key is None:
+        return type(module).forward(module, x, gate)
+    semantics = _gated_semantics[key]
+    if gate is None and not semantics.gate_optional:
+        raise TypeError(f"{type(module).__name__}.forward() needs gate")
+    return semantics.rms_norm(x, gate, module.weight, getattr(module, eps_attribute))
 
 
 # The layers: no constructor and no members but forward and the two flags (``kernels``
@@ -109,7 +145,19 @@ class RMSNormZeroCentered(nn.Module):
         return _layer_forward(self, x, "eps")
 
 
-LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "RMSNormZeroCentered": RMSNormZeroCentered}
+class RMSNormGated(nn.Module):
+    """The layer for ``"RMSNormGated"``: gated norms (``forward(hidden_states, gate)``) with
+    ``weight`` and ``variance_epsilon`` (Qwen3-Next's, Qwen 3.5's, Kimi Linear's)."""
+
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
+        return _gated_layer_forward(self, hidden_states, gate, "variance_epsilon")
+
+
+LAYERS: dict[str, type[nn.Module]] = {"RMSNorm": RMSNorm, "RMSNormZeroCentered": RMSNormZeroCentered,
+                                      "RMSNormGated": RMSNormGated}
 
 
 class Repository:
