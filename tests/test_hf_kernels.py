@@ -159,7 +159,7 @@ def test_gated_layer(device, mark, fresh_probes):
     """The ``"RMSNormGated"`` layer probes each class with the module's plain attributes (the
     activation's name): Qwen 3.5's gated norm is served as Llama's norm then silu(gate), the
     same class with sigmoid as such; eager and compiled (aot_eager, one ``rmsnorm.fwd`` per
-    norm), outputs and gradients as the original's."""
+    norm), outputs and gradients as the original's; no gate, no call, as the module's own."""
     mark(Qwen3_5RMSNormGated, "RMSNormGated")
     model = nn.ModuleList([Qwen3_5RMSNormGated(64), SigmoidGatedRMSNorm(64)]).to(device)
     with torch.no_grad():
@@ -189,6 +189,8 @@ def test_gated_layer(device, mark, fresh_probes):
     assert sum("rmsnorm.fwd" in str(n.target) for n in counter.graphs[0].graph.nodes) == 2
     names = sorted(hf_kernels._class_semantics_cache.values())
     assert names == ["llama*sigmoid(gate)", "llama*silu(gate)"], names
+    with pytest.raises(TypeError, match="gate is required"):  # as the module's own forward needs one
+        model[0](x)
 
 
 def test_repository_and_mapping():

@@ -500,7 +500,7 @@ def test_gated_norms_are_swapped_by_what_they_compute(device, make, semantics, g
     if gate_optional:
         assert_computes_like(original, patched, x.detach())
     else:
-        with pytest.raises(TypeError, match="needs gate"):
+        with pytest.raises(TypeError, match="gate is required"):
             patched(x)
 
 

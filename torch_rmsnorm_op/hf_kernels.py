@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kernels import Mode
 
 _lock = threading.Lock()
-_class_semantics_cache: dict[tuple[type, str], str | None] = {}
+_class_semantics_cache: dict[tuple, str | None] = {}  # by _class_semantics's arguments
 
 
 _gated_semantics: dict[str, GatedSemantics] = {}  # the gated layer's semantics, by _gated_key
@@ -118,7 +118,7 @@ def _gated_layer_forward(module: nn.Module, x: Tensor, gate: Tensor | None, eps_
         return type(module).forward(module, x, gate)
     semantics = _gated_semantics[key]
     if gate is None and not semantics.gate_optional:
-        raise TypeError(f"{type(module).__name__}.forward() needs gate")
+        raise TypeError(f"gate is required: {type(module).__name__}'s own forward does not run without one")
     return semantics.rms_norm(x, gate, module.weight, getattr(module, eps_attribute))
 
 

@@ -76,8 +76,8 @@ class PatchedGatedRMSNorm(PatchedRMSNorm):
 
     def forward(self, hidden_states: Tensor, gate: Tensor | None = None) -> Tensor:
         if gate is None and not self.semantics.gate_optional:
-            raise TypeError(f"{type(self._original).__name__}.forward() needs gate: the module it replaces "
-                            f"takes no gate=None")
+            raise TypeError(f"gate is required: {type(self._original).__name__}.forward, which this module "
+                            f"replaces, does not run without one")
         return self.semantics.rms_norm(hidden_states, gate, self.weight, self.eps)
 
 
