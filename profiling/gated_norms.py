@@ -30,9 +30,10 @@ import sys
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from norm_add import gpu_us  # noqa: E402  (the GPU time of all kernels of one call)
 
 import torch_rmsnorm_op as T  # noqa: E402
 
@@ -58,17 +59,6 @@ def _step(module: nn.Module, backward: bool):
         return y
 
     return run
-
-
-def gpu_us(fn, pool: list, iters: int) -> float:
-    for i in range(3):
-        fn(*pool[i % len(pool)])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(iters):
-            fn(*pool[i % len(pool)])
-        torch.cuda.synchronize()
-    return sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) / iters
 
 
 def call_us(fn, pool: list, iters: int) -> float:

@@ -446,69 +446,95 @@ def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = N
     return Recognition(found.semantics, None if last_dim_only else shape, found.eps, weight)
 
 
+# One probe: the forward's inputs (x, or x and the gate), the weight it held, and its output.
+_Probe = tuple[tuple[Tensor | None, ...], Tensor | None, Tensor]
+
+
+def _run_probes(module: nn.Module, weight: nn.Parameter | None, w64: Tensor | None, dtypes: tuple[torch.dtype, ...],
+                inputs: Callable[[torch.dtype], list[tuple[Tensor | None, ...]]]) -> list[_Probe] | Recognition:
+    """The module's own forward on ``inputs(x_dtype)`` (argument tuples) for each x dtype and
+    weight dtype of ``dtypes``, on a copy holding ``w64`` in that dtype. Pairs of mixed dtypes
+    that the forward refuses are not probed, but the module must run its weight's dtype; it
+    must not depend on train or eval mode. A ``Recognition`` with the reason where it fails."""
+    probes: list[_Probe] = []
+    for w_dtype in (dtypes if weight is not None else (None,)):
+        w = None if w64 is None else w64.to(w_dtype)
+        clone = _clone_with_weight(module, weight, w)
+        for x_dtype in dtypes:
+            for args in inputs(x_dtype):
+                try:
+                    want = _run(clone, *args)
+                except Exception as e:  # a forward that cannot run this pair
+                    if w_dtype is None or x_dtype == w_dtype:
+                        return Recognition(None, reason=f"its forward failed on the probe: {type(e).__name__}: {e}")
+                    continue
+                if not isinstance(want, Tensor):
+                    return Recognition(None, reason=f"its forward returns a {type(want).__name__}, not a tensor")
+                if not probes:  # once more in the other mode: the forward must not depend on it
+                    clone.train(not module.training)
+                    again = _run(clone, *args)
+                    clone.train(module.training)
+                    if not (isinstance(again, Tensor) and again.shape == want.shape and torch.equal(again, want)):
+                        return Recognition(None, reason="its forward differs between train and eval mode")
+                probes.append((args, None if weight is None else clone.weight, want))
+    return probes
+
+
+def _where(args: tuple[Tensor | None, ...], w: Tensor | None) -> str:
+    where = f"x {_name(args[0].dtype)}" + ("" if w is None else f", weight {_name(w.dtype)}")
+    return where + (", no gate" if len(args) > 1 and args[1] is None else "")
+
+
+def _choose(probes: list[_Probe], candidates: list[tuple[float | None, Semantics | GatedSemantics]],
+            reference: Callable[..., Tensor], weight: nn.Parameter | None, kernels: Callable[..., Tensor],
+            shape: tuple[int, ...]) -> Recognition | str:
+    """The first ``(eps, semantics)`` of ``candidates`` whose ``reference(semantics, args, w,
+    eps)`` agrees with the module on every probe, then run through the kernels
+    (``kernels(semantics, args, w, eps)``) on the probe of the weight's own dtype (the one a
+    model runs; one kernel variant to build), as the swapped module will. None agreeing: the
+    closest one's ``(name, how it differs)`` as a string."""
+    best: tuple[float, str] | None = None
+    for eps, semantics in candidates:
+        for args, w, want in probes:
+            size, failure = _disagreement(want, reference(semantics, args, w, eps))
+            if failure is not None:
+                if best is None or size < best[0]:
+                    best = (size, f"{semantics.name}, {failure} at {_where(args, w)}")
+                break
+        else:
+            own = weight.dtype if weight is not None else torch.float32
+            args, w, want = next((p for p in probes if p[0][0].dtype == own and (p[1] is None or p[1].dtype == own)
+                                  and all(a is not None for a in p[0])), probes[0])
+            try:
+                with torch.no_grad(), fallback_policy("reference"):
+                    got = kernels(semantics, args, w, eps)
+            except Exception as e:
+                return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
+            _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
+            if failure is not None:
+                return Recognition(None, reason=f"computes {semantics.name}, but rms_norm disagrees on the probe: "
+                                                f"{failure}")
+            return Recognition(semantics, shape, eps, weight)
+    assert best is not None
+    return best[1]
+
+
 def _probe(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | None], weight: nn.Parameter | None,
            device: torch.device) -> Recognition:
     dtypes = _probe_dtypes(weight)
     x64 = _probe_input(shape, eps_values, device)
     gen = torch.Generator().manual_seed(1)
     w64 = None if weight is None else torch.randn(shape, generator=gen, dtype=torch.float64).to(device)
-    # (x, weight, the module's output) per dtype pair; pairs of mixed dtypes that the module's
-    # forward refuses are not probed, but the module must run its weight's dtype.
-    probes: list[tuple[Tensor, Tensor | None, Tensor]] = []
-    for w_dtype in (dtypes if weight is not None else (None,)):
-        w = None if w64 is None else w64.to(w_dtype)
-        clone = _clone_with_weight(module, weight, w)
-        for x_dtype in dtypes:
-            x = x64.to(x_dtype)
-            try:
-                want = _run(clone, x)
-            except Exception as e:  # a forward that cannot run this pair
-                if w_dtype is None or x_dtype == w_dtype:
-                    return Recognition(None, reason=f"its forward failed on the probe: {type(e).__name__}: {e}")
-                continue
-            if not isinstance(want, Tensor):
-                return Recognition(None, reason=f"its forward returns a {type(want).__name__}, not a tensor")
-            if not probes:  # once more in the other mode: the forward must not depend on it
-                clone.train(not module.training)
-                again = _run(clone, x)
-                clone.train(module.training)
-                if not (isinstance(again, Tensor) and again.shape == want.shape and torch.equal(again, want)):
-                    return Recognition(None, reason="its forward differs between train and eval mode")
-            probes.append((x, None if weight is None else clone.weight, want))
-    best: tuple[float, str, str] | None = None
-    for eps in eps_values:
-        for semantics in SEMANTICS:
-            failure = None
-            for x, w, want in probes:
-                size, failure = _disagreement(want, semantics.reference(x, shape, w, eps))
-                if failure is not None:
-                    where = f"x {_name(x.dtype)}" + ("" if w is None else f", weight {_name(w.dtype)}")
-                    if best is None or size < best[0]:
-                        best = (size, semantics.name, f"{failure} at {where}")
-                    break
-            if failure is None:
-                return _verify(probes, semantics, shape, eps, weight)
-    assert best is not None
+    probes = _run_probes(module, weight, w64, dtypes, lambda x_dtype: [(x64.to(x_dtype),)])
+    if isinstance(probes, Recognition):
+        return probes
+    found = _choose(probes, [(eps, semantics) for eps in eps_values for semantics in SEMANTICS],
+                    lambda semantics, args, w, eps: semantics.reference(args[0], shape, w, eps), weight,
+                    lambda semantics, args, w, eps: semantics.rms_norm(args[0], shape, w, eps), shape)
+    if isinstance(found, Recognition):
+        return found
     names = ", ".join(s.name for s in SEMANTICS)
-    return Recognition(None, reason=f"computes none of {names} (closest: {best[1]}, {best[2]})")
-
-
-def _verify(probes: list[tuple[Tensor, Tensor | None, Tensor]], semantics: Semantics, shape: tuple[int, ...],
-            eps: float | None, weight: nn.Parameter | None) -> Recognition:
-    """Run the chosen semantics through ``rms_norm`` on the probe of the weight's own dtype
-    (the one a model runs; one kernel variant to build), as the swapped module will."""
-    own = weight.dtype if weight is not None else torch.float32
-    x, w, want = next(((x, w, y) for x, w, y in probes if x.dtype == own and (w is None or w.dtype == own)),
-                      probes[0])
-    try:
-        with torch.no_grad(), fallback_policy("reference"):
-            got = semantics.rms_norm(x, shape, w, eps)
-    except Exception as e:
-        return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
-    _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
-    if failure is not None:
-        return Recognition(None, reason=f"computes {semantics.name}, but rms_norm disagrees on the probe: {failure}")
-    return Recognition(semantics, shape, eps, weight)
+    return Recognition(None, reason=f"computes none of {names} (closest: {found})")
 
 
 def _group_sizes(module: nn.Module, n: int) -> list[int | None]:
@@ -526,73 +552,29 @@ def _group_sizes(module: nn.Module, n: int) -> list[int | None]:
 def _probe_gated(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | None], weight: nn.Parameter,
                  device: torch.device, gate_optional: bool) -> Recognition:
     """``_probe`` for a gated norm: the module's forward runs on (x, gate) (and on (x, None)
-    where it takes ``gate=None``), the gate of x's dtype, and every ``GatedSemantics`` (form,
-    activation, group size) is computed on the same inputs by the PyTorch reference; the first
-    that agrees on every probe, then verified through the kernels, is chosen."""
+    where it takes ``gate=None`` and runs without one), the gate of x's dtype, and every
+    ``GatedSemantics`` (form, activation, group size) is computed on the same inputs by the
+    PyTorch reference; the first that agrees on every probe, then verified through the kernels,
+    is chosen."""
     dtypes = _probe_dtypes(weight)
     x64 = _probe_input(shape, eps_values, device)
-    gen = torch.Generator().manual_seed(2)
-    gate64 = (3.0 * torch.randn(x64.shape, generator=gen, dtype=torch.float64)).to(device)
+    gate64 = (3.0 * torch.randn(x64.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)).to(device)
     w64 = torch.randn(shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
-    probes: list[tuple[Tensor, Tensor | None, Tensor, Tensor]] = []  # (x, gate, weight, the module's output)
-    for w_dtype in dtypes:
-        clone = _clone_with_weight(module, weight, w64.to(w_dtype))
-        for x_dtype in dtypes:
-            x = x64.to(x_dtype)
-            for gate in (gate64.to(x_dtype), None) if gate_optional else (gate64.to(x_dtype),):
-                try:
-                    want = _run(clone, x, gate)
-                except Exception as e:  # a forward that cannot run this pair
-                    if gate is None:  # gate=None in the signature only: the replacement will refuse None
-                        gate_optional = False
-                    elif x_dtype == w_dtype:
-                        return Recognition(None, reason=f"its forward failed on the probe: {type(e).__name__}: {e}")
-                    continue
-                if not isinstance(want, Tensor):
-                    return Recognition(None, reason=f"its forward returns a {type(want).__name__}, not a tensor")
-                if not probes:
-                    clone.train(not module.training)
-                    again = _run(clone, x, gate)
-                    clone.train(module.training)
-                    if not (isinstance(again, Tensor) and again.shape == want.shape and torch.equal(again, want)):
-                        return Recognition(None, reason="its forward differs between train and eval mode")
-                probes.append((x, gate, clone.weight, want))
-    if not gate_optional:
-        probes = [p for p in probes if p[1] is not None]
-    best: tuple[float, str, str] | None = None
-    candidates = [GatedSemantics(form, act, size, gate_optional) for form in GATED_FORMS for act in GATE_ACTIVATIONS
-                  for size in _group_sizes(module, shape[0])]
-    for eps in eps_values:
-        for semantics in candidates:
-            failure = None
-            for x, gate, w, want in probes:
-                size, failure = _disagreement(want, semantics.reference(x, gate, w, eps))
-                if failure is not None:
-                    where = f"x {_name(x.dtype)}, weight {_name(w.dtype)}" + (", no gate" if gate is None else "")
-                    if best is None or size < best[0]:
-                        best = (size, semantics.name, f"{failure} at {where}")
-                    break
-            if failure is None:
-                return _verify_gated(probes, semantics, shape, eps, weight)
-    assert best is not None
+    if gate_optional:  # gate=None in the signature only (the forward reads the gate): the replacement refuses None
+        try:
+            _run(_clone_with_weight(module, weight, w64.to(weight.dtype)), x64.to(weight.dtype), None)
+        except Exception:
+            gate_optional = False
+    probes = _run_probes(module, weight, w64, dtypes, lambda x_dtype: [
+        (x64.to(x_dtype), gate) for gate in ((gate64.to(x_dtype), None) if gate_optional else (gate64.to(x_dtype),))])
+    if isinstance(probes, Recognition):
+        return probes
+    candidates = [(eps, GatedSemantics(form, act, size, gate_optional)) for eps in eps_values for form in GATED_FORMS
+                  for act in GATE_ACTIVATIONS for size in _group_sizes(module, shape[0])]
+    found = _choose(probes, candidates, lambda semantics, args, w, eps: semantics.reference(*args, w, eps), weight,
+                    lambda semantics, args, w, eps: semantics.rms_norm(*args, w, eps), shape)
+    if isinstance(found, Recognition):
+        return found
     names = ", ".join(form.name.format(act="act") for form in GATED_FORMS)
-    acts = "/".join(GATE_ACTIVATIONS)
-    return Recognition(None, reason=f"a gated norm that computes none of {names} (act: {acts}; "
-                                    f"closest: {best[1]}, {best[2]})")
-
-
-def _verify_gated(probes: list[tuple[Tensor, Tensor | None, Tensor, Tensor]], semantics: GatedSemantics,
-                  shape: tuple[int, ...], eps: float | None, weight: nn.Parameter) -> Recognition:
-    """``_verify`` for a gated norm, on the probe of the weight's own dtype with a gate."""
-    own = weight.dtype
-    x, gate, w, want = next((p for p in probes if p[0].dtype == own and p[2].dtype == own and p[1] is not None),
-                            probes[0])
-    try:
-        with torch.no_grad(), fallback_policy("reference"):
-            got = semantics.rms_norm(x, gate, w, eps)
-    except Exception as e:
-        return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
-    _, failure = _disagreement(want, got, _KERNEL_NOISE, _KERNEL_APART)
-    if failure is not None:
-        return Recognition(None, reason=f"computes {semantics.name}, but rms_norm disagrees on the probe: {failure}")
-    return Recognition(semantics, shape, eps, weight)
+    return Recognition(None, reason=f"a gated norm that computes none of {names} (act: {'/'.join(GATE_ACTIVATIONS)}; "
+                                    f"closest: {found})")
