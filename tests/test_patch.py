@@ -235,6 +235,21 @@ def test_swaps_torch_and_llama_style_keeps_parameters(device):
     optimizer.step()  # the optimizer built before the patch updates the live parameters
 
 
+def test_the_replacement_carries_the_originals_plain_attributes():
+    """Code that reads a norm's attributes off the module a model holds still finds them once
+    it is swapped (Mamba 2's fused CUDA path passes ``norm.variance_epsilon`` to its kernel):
+    numbers, strings and tuples are copied; the replacement's own ``eps`` is the epsilon the
+    forward uses."""
+    model = nn.ModuleList([nn.RMSNorm(16, elementwise_affine=True), GateThenGroupNormRMSNorm(16, 4),
+                           TwoEpsRMSNorm(16)])
+    originals = list(model)
+    T.patch_rmsnorm(model)
+    assert model[0].elementwise_affine is True and model[0].normalized_shape == (16,)
+    assert (model[1].variance_epsilon, model[1].group_size) == (originals[1].variance_epsilon, 4)
+    assert (model[2].eps, model[2].variance_epsilon) == (2e-6, 1e-6)
+    assert list(model.state_dict()) == ["0.weight", "1.weight", "2.weight"]
+
+
 def test_a_module_held_in_several_places_is_swapped_and_restored_at_each(device):
     """A norm under two attributes of one parent (which ``named_children`` lists once) and a
     block shared by several parents: every attribute gets the one patched module, the report
