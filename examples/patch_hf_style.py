@@ -1,9 +1,10 @@
 """Patch models whose RMSNorms are Hugging Face-style classes: recognized by what they compute.
 
 A Llama-style norm (its own class name, found on no list) is swapped as ``llama``, a
-Gemma-style ``(1 + weight)`` one as ``gemma``, and a lookalike that computes something
-else is left alone with the measured difference. With transformers installed, a tiny
-Gemma 3 and a tiny T5 encoder (built from configs, nothing downloaded) are patched too.
+Gemma-style ``(1 + weight)`` one as ``gemma``, a gated one (``forward(x, gate)``, Qwen3-Next's
+order) as ``llama*silu(gate)``, and a lookalike that computes something else is left alone
+with the measured difference. With transformers installed, a tiny Gemma 3, a tiny T5 encoder
+and a tiny Mamba 2 (built from configs, nothing downloaded) are patched too.
 
 Run: python examples/patch_hf_style.py
 """
@@ -44,6 +45,24 @@ class MyGemmaRMSNorm(MyRMSNorm):
         return (out * (1.0 + self.weight.float())).type_as(x)
 
 
+class MyGatedRMSNorm(MyRMSNorm):
+    """A linear-attention output norm: Llama's norm, then silu(gate) in fp32."""
+
+    def forward(self, hidden_states, gate):
+        input_dtype = hidden_states.dtype
+        return (super().forward(hidden_states) * nn.functional.silu(gate.float())).to(input_dtype)
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, hidden_size):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, 2 * hidden_size)
+        self.norm = MyGatedRMSNorm(hidden_size)
+
+    def forward(self, x):
+        return self.norm(*self.proj(x).chunk(2, dim=-1))
+
+
 class MyScaledRMSNorm(MyRMSNorm):
     """Looks like the others, computes twice Llama's result: no semantics of ours."""
 
@@ -61,12 +80,16 @@ def tiny_transformers_models():
         num_key_value_heads=2, head_dim=8))
     t5 = transformers.T5EncoderModel(transformers.T5Config(
         vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4))
-    return [("Gemma 3", gemma3), ("T5 encoder", t5)]
+    mamba2 = transformers.Mamba2ForCausalLM(transformers.Mamba2Config(  # its mixer's gated norm in 2 groups
+        vocab_size=128, hidden_size=32, num_hidden_layers=1, num_heads=8, head_dim=8, n_groups=2, state_size=16,
+        chunk_size=8))
+    return [("Gemma 3", gemma3), ("T5 encoder", t5), ("Mamba 2", mamba2)]
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = nn.Sequential(nn.Linear(32, 32), MyRMSNorm(32), nn.SiLU(), MyGemmaRMSNorm(32), MyScaledRMSNorm(32))
+    model = nn.Sequential(nn.Linear(32, 32), MyRMSNorm(32), nn.SiLU(), MyGemmaRMSNorm(32), GatedBlock(32),
+                          MyScaledRMSNorm(32))
     model = model.to(device)
     x = torch.randn(4, 32, device=device)
     with torch.no_grad():
