@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, GatedSemantics, recognize
+from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, GatedSemantics, public_attributes, recognize
 
 if TYPE_CHECKING:
     from kernels import Mode
@@ -105,14 +105,10 @@ def _layer_forward(module: nn.Module, x: Tensor, eps_attribute: str) -> Tensor:
     return SEMANTICS_BY_NAME[name].rms_norm(x, (x.shape[-1],), module.weight, getattr(module, eps_attribute))
 
 
-_PLAIN = (bool, int, float, str, type(None))
-
-
 def _gated_layer_forward(module: nn.Module, x: Tensor, gate: Tensor | None, eps_attribute: str) -> Tensor:
     # What else a gated forward reads: its plain attributes (the activation's name, a group size).
-    attributes = tuple(sorted((name, value) for name, value in vars(module).items()
-                              if not name.startswith("_") and name not in ("training", eps_attribute)
-                              and isinstance(value, _PLAIN)))
+    attributes = tuple(sorted((name, value) for name, value, plain in public_attributes(module)
+                              if plain and name != eps_attribute))
     key = _class_semantics(type(module), eps_attribute, True, attributes, module.weight.shape[0])
     if key is None:
         return type(module).forward(module, x, gate)

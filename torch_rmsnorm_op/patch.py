@@ -30,9 +30,7 @@ from torch import Tensor, nn
 
 from torch_rmsnorm_op import fusion, static_launch
 from torch_rmsnorm_op.module import RMSNorm
-from torch_rmsnorm_op.recognize import GatedSemantics, Semantics, recognize
-
-_PLAIN = (bool, int, float, str, type(None), tuple)
+from torch_rmsnorm_op.recognize import GatedSemantics, Semantics, public_attributes, recognize
 
 
 class PatchedRMSNorm(nn.Module):
@@ -41,7 +39,7 @@ class PatchedRMSNorm(nn.Module):
     ``weight`` is the original's own Parameter (or None). ``semantics`` is what the original
     computes; each call turns it into ``rms_norm``'s keyword arguments for the input's and
     the weight's dtypes. ``normalized_shape`` None normalizes the input's last dim. The
-    original's other plain attributes (numbers, strings, tuples: ``variance_epsilon``,
+    original's other plain attributes (``recognize.public_attributes``: ``variance_epsilon``,
     ``elementwise_affine``, a gated norm's ``group_size``) are copied onto it.
     """
 
@@ -55,8 +53,8 @@ class PatchedRMSNorm(nn.Module):
         object.__setattr__(self, "_original", original)  # not a submodule: no duplicate state_dict keys
         # The original's other plain attributes, for code that reads them off the module it holds
         # (Mamba 2's fused CUDA path passes norm.variance_epsilon and norm.weight to its kernel).
-        for name, value in vars(original).items():
-            if not (name.startswith("_") or name == "training" or hasattr(self, name)) and isinstance(value, _PLAIN):
+        for name, value, plain in public_attributes(original):
+            if plain and not hasattr(self, name):
                 setattr(self, name, value)
 
     @property

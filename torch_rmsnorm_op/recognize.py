@@ -391,20 +391,24 @@ def _run(module: nn.Module, *inputs: Tensor | None) -> Tensor:
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype)
 
 
+def public_attributes(module: nn.Module) -> list[tuple[str, object, bool]]:
+    """The instance's own attributes but the private ones and ``training``, each with whether it
+    is plain: a number, string, bool, None or dtype, or a tuple of them (state a forward may
+    read, which a key can hold and a copy can take)."""
+    return [(name, value, isinstance(value, _SIMPLE)
+             or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)))
+            for name, value in vars(module).items() if not name.startswith("_") and name != "training"]
+
+
 def _probe_key(module: nn.Module, shape: tuple[int, ...], weight: Tensor | None) -> tuple | None:
     """What the probe's result depends on: the class, the mode, the weight's shape, dtype and
     device, and the instance's plain attributes; None (do not share) if any attribute is
     something else (a tensor, a callable, an object), which the forward might read."""
-    state = []
-    for name, value in vars(module).items():
-        if name.startswith("_") or name == "training":
-            continue
-        plain = isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value))
-        if not plain:
-            return None
-        state.append((name, value))
+    attributes = public_attributes(module)
+    if not all(plain for _, _, plain in attributes):
+        return None
     w = None if weight is None else (weight.dtype, weight.device, weight.requires_grad)
-    return type(module), module.training, shape, w, tuple(state)
+    return type(module), module.training, shape, w, tuple((name, value) for name, value, _ in attributes)
 
 
 def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = None,
