@@ -79,6 +79,12 @@ _LIB.define("norm_add_fwd(Tensor x, Tensor residual, Tensor? x_weight, float x_e
             "-> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)")
 
 
+def _like(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """An uninitialized contiguous tensor of ``t``'s shape and device: ``torch.empty_like``,
+    which costs an eager call about half the host time of ``torch.empty(t.shape, ...)``."""
+    return torch.empty_like(t, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
             norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
             residual: Tensor | None = None, want_rstd: bool = True,
@@ -101,8 +107,8 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
             record_fallback(op, plan, compiled=traced)
             return _reference_forward(op, x, weight, eps, weight_offset, norm_dtype, out_dtype, residual, traced)
         record_kernel(op, compiled=traced)
-    y = torch.empty(x.shape, dtype=out_dtype or sum_dtype, device=x.device)
-    h = None if residual is None else torch.empty(x.shape, dtype=sum_dtype, device=x.device)
+    y = _like(x, out_dtype or sum_dtype)
+    h = None if residual is None else _like(x, sum_dtype)
     rstd = None
     if want_rstd or n == 0:
         rstd = torch.empty(x.shape[:-1], dtype=reference.computation_dtype(sum_dtype), device=x.device)
@@ -140,7 +146,7 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
             return reference.norm_add_rms_norm_forward(x, residual, x_weight, x_eps, weight, eps, weight_offset,
                                                        norm_dtype)
     sum_dtype = torch.promote_types(x.dtype, residual.dtype)
-    y, h = (torch.empty(x.shape, dtype=sum_dtype, device=x.device) for _ in range(2))
+    y, h = _like(x, sum_dtype), _like(x, sum_dtype)
     rstd, x_rstd = (torch.empty(x.shape[:-1], dtype=reference.computation_dtype(t), device=x.device)
                     for t in (sum_dtype, x.dtype))
     x_weight = None if x_weight is None else x_weight.contiguous()
@@ -148,7 +154,7 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
     if _launch().norm_add_fuses(plan, sum_plan, x, residual):
         _launch().forward_norm_add(plan, x, residual, x_weight, weight, x_eps, eps, y, h, rstd, x_rstd, traced=traced)
     else:
-        x_normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        x_normed = _like(x, x.dtype)
         _launch().forward(plan, x, x_weight, x_eps, x_normed, x_rstd, traced=traced)
         _launch().forward(sum_plan, residual, weight, eps, y, rstd, x_normed, h, traced=traced)
     return y, h, rstd, x_rstd
@@ -187,8 +193,8 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
                     return reference.add_rms_norm_backward(dy, dresidual_out, x, weight, rstd, weight_offset)
                 return reference.rms_norm_backward(dy, x, weight, rstd, weight_offset)
         record_kernel(op, compiled=traced)
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dweight = None if weight is None else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    dx = _like(x, x.dtype)
+    dweight = None if weight is None else _like(weight, weight.dtype)
     if x.numel() == 0:
         return dx, None if dweight is None else dweight.zero_()
     if row_stride(dy) is None:  # e.g. the expanded gradient of .sum(): copied, it is not x
