@@ -122,6 +122,35 @@ def test_norm_byte_floor_by_hand():
         mb.norm_byte_floor(llama, 10, "backward")
 
 
+def test_hybrid_sites_and_gated_floor_by_hand():
+    """Hybrid decoders, 4 layers, hidden 64, 10 tokens. Nemotron-H's layers are Mamba, MLP, Mamba,
+    attention, each behind one norm; each Mamba mixer ends in a gated norm over its 2 heads of 64
+    (rows of 128, 2560 bytes). Forward: layer 0's norm plain (2 x 1280), three later block norms
+    and norm_f with their adds (4 x 4 x 1280), two gated norms reading x and the gate, writing y
+    (2 x 3 x 2560): 38400. Backward: 3 x 1280 + 4 x 4 x 1280 + 2 x 5 x 2560 (dy, x and the gate
+    read, dx and the gate's gradient written) = 49920. Qwen3-Next's layers are linear attention
+    thrice, then attention with q and k norms per head; the gated norm is over each value head."""
+    def sites(family):
+        spec = mb.ModelSpec(family, hidden=64, layers=4, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+        return [(s.name, s.rows, s.cols, s.residual, s.grad_terms, s.count, s.gated) for s in mb.norm_sites(spec, 10)]
+
+    assert sites("nemotron_h") == [
+        ("norm (layer 0, mamba)", 10, 64, False, 1, 1, False), ("norm (layers 1.., mlp)", 10, 64, True, 1, 1, False),
+        ("norm (layers 1.., mamba)", 10, 64, True, 1, 1, False),
+        ("norm (layers 1.., attention)", 10, 64, True, 3, 1, False), ("norm_f", 10, 64, True, 1, 1, False),
+        ("mixer.norm (gated)", 10, 128, False, 1, 2, True)]
+    assert sites("qwen3_next") == [
+        ("input_layernorm (layer 0, linear)", 10, 64, False, 2, 1, False),
+        ("input_layernorm (layers 1.., linear)", 10, 64, True, 2, 2, False),
+        ("input_layernorm (layers 1.., attention)", 10, 64, True, 3, 1, False),
+        ("post_attention_layernorm", 10, 64, True, 5, 4, False), ("norm", 10, 64, True, 1, 1, False),
+        ("linear_attn.norm (gated)", 40, 16, False, 1, 3, True), ("q_norm", 40, 16, False, 1, 1, False),
+        ("k_norm", 20, 16, False, 1, 1, False)]
+    nemotron = mb.ModelSpec("nemotron_h", hidden=64, layers=4, intermediate=176, heads=4, kv_heads=2, head_dim=16)
+    assert mb.norm_byte_floor(nemotron, 10, "infer") == 38400
+    assert mb.norm_byte_floor(nemotron, 10, "train") == 38400 + 49920
+
+
 def test_norm_byte_floor_with_gradient_terms_by_hand():
     """The same Llama (a site is 1280 bytes), its backward's dy read as the gradients it sums:
     layer 0's input norm 3 terms + x + dx = 5; layer 1's input norm 3 + sum + its gradient + dx

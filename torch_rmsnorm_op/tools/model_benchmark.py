@@ -203,6 +203,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
 }
 DEFAULT_MODELS = ("llama", "qwen3", "mistral")
 # Phi3's and GLM 4's defaults put pad and eos at ids outside a 32000-token vocabulary. Granite's
@@ -222,6 +224,7 @@ MOE_FAMILIES: dict[str, tuple[str, str]] = {
     "mixtral": ("num_local_experts", "intermediate_size"),
     "qwen3_moe": ("num_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
+    "qwen3_next": ("num_experts", "moe_intermediate_size"),
 }
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
@@ -236,6 +239,16 @@ MLA_FAMILIES = frozenset({"deepseek_v3"})
 MLA_DENSE_LAYERS = 1
 # Families whose attention normalizes q and k per head (rows of head_dim).
 QK_NORM_FAMILIES = frozenset({"qwen3", "gemma3", "exaone4", "qwen3_moe"})
+# Hybrid families: layers of linear attention or Mamba beside attention, whose mixers end in a
+# gated RMSNorm (``forward(hidden_states, gate)``). Qwen3-Next (Qwen3-Next-80B's linear
+# attention: 16 key and 32 value heads of 128, its gated norm over each value head; one layer in
+# four full attention with q and k norms per head; Gemma's ``1 + weight`` norms, mixtures of
+# experts with a shared expert). NemotronH (Nemotron-H's Mamba 2 mixer: heads of 64 over twice
+# hidden, 8 groups, state 128, its gated norm over each group; layers Mamba, MLP, Mamba,
+# attention in turn, each behind one norm). Without flash-linear-attention, causal-conv1d and
+# mamba-ssm installed, the mixers run transformers' torch implementations, stock and patched alike.
+HYBRID_FAMILIES = frozenset({"qwen3_next", "nemotron_h"})
+NEMOTRON_H_PATTERN = "M-M*"  # Mamba, MLP, Mamba, attention; repeated to the layer count
 # Families whose layers also normalize the attention's and the MLP's outputs before the
 # residual add (Gemma 3's four norms a layer: input, post-attention, pre- and post-feedforward;
 # GLM 4's input, post-self-attention, post-attention and post-MLP).
@@ -354,8 +367,23 @@ class ModelSpec:
                           qk_rope_head_dim=self.head_dim // 2, v_head_dim=self.head_dim, head_dim=self.head_dim // 2,
                           num_key_value_heads=self.heads, first_k_dense_replace=MLA_DENSE_LAYERS,
                           n_shared_experts=1, n_group=1, topk_group=1)
+        if self.family in HYBRID_FAMILIES:
+            kwargs.update(self.hybrid_config())
         kwargs.update(FAMILY_CONFIG_OVERRIDES.get(self.family, {}))
         return config_cls(**kwargs)
+
+    def hybrid_config(self) -> dict:
+        """The mixer keys of a family in ``HYBRID_FAMILIES`` (``HYBRID_FAMILIES`` says which
+        model's they follow; a smoke-sized model's are scaled down)."""
+        smoke = self.hidden == SMOKE_HIDDEN
+        if self.family == "qwen3_next":
+            return dict(linear_num_key_heads=2 if smoke else 16, linear_num_value_heads=4 if smoke else 32,
+                        linear_key_head_dim=16 if smoke else 128, linear_value_head_dim=16 if smoke else 128,
+                        shared_expert_intermediate_size=self.intermediate, experts_implementation="batched_mm")
+        heads = 2 * self.hidden // 64
+        return dict(hybrid_override_pattern="".join(NEMOTRON_H_PATTERN[i % 4] for i in range(self.layers)),
+                    mamba_num_heads=heads, mamba_head_dim=64, n_groups=min(8, heads),
+                    ssm_state_size=16 if smoke else 128)
 
     def mla_ranks(self) -> tuple[int, int]:
         """The q and kv low ranks of a family in ``MLA_FAMILIES``: 3/4 and 1/4 of hidden."""
@@ -373,6 +401,7 @@ class NormSite:
     residual: bool
     count: int
     grad_terms: int = 1
+    gated: bool = False  # a gated norm: its forward also reads the gate, its backward writes the gate's gradient
 
 
 def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
@@ -398,6 +427,8 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
         if spec.family not in QK_NORM_FAMILIES:
             return [NormSite("q_norm", tokens, spec.heads * spec.head_dim, False, spec.layers),
                     NormSite("k_norm", tokens, spec.kv_heads * spec.head_dim, False, spec.layers), *sites]
+    elif spec.family in HYBRID_FAMILIES:
+        return _hybrid_sites(spec, tokens)
     elif spec.family in MLA_FAMILIES:  # q and kv low ranks; dense layers, then experts with a shared one
         q_rank, kv_rank = spec.mla_ranks()
         dense = min(MLA_DENSE_LAYERS, spec.layers)
@@ -428,13 +459,47 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     return sites
 
 
+def _hybrid_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
+    """``norm_sites`` of a family in ``HYBRID_FAMILIES``, layer by layer of its config. A block's
+    input norm feeds its mixer's input projections: Qwen3-Next's linear attention two (qkvz and
+    ba), attention three (q with its gate, k, v), Nemotron-H's Mamba one, its MLP one (up, of
+    ReLU squared). Qwen3-Next's post-attention norm feeds the router, the experts, the shared
+    expert's gate and up and the shared expert's gate: five. The gated norms read no residual."""
+    config = spec.config()
+    sites: list[NormSite] = []
+    if spec.family == "qwen3_next":
+        kinds = ["linear" if t == "linear_attention" else "attention" for t in config.layer_types]
+        terms = {"linear": 2, "attention": 3}
+        name = "input_layernorm"
+        post = [NormSite("post_attention_layernorm", tokens, spec.hidden, True, spec.layers, 5)]
+        linear, attention = kinds.count("linear"), kinds.count("attention")
+        mixers = [NormSite("linear_attn.norm (gated)", tokens * config.linear_num_value_heads,
+                           config.linear_value_head_dim, False, linear, gated=True),
+                  NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, attention),
+                  NormSite("k_norm", tokens * spec.kv_heads, spec.head_dim, False, attention)]
+    else:
+        pattern = "".join(NEMOTRON_H_PATTERN[i % len(NEMOTRON_H_PATTERN)] for i in range(spec.layers))
+        kinds = ["mamba" if c == "M" else "attention" if c == "*" else "mlp" for c in pattern]
+        terms = {"mamba": 1, "attention": 3, "mlp": 1}
+        name, post = "norm", []
+        mixers = [NormSite("mixer.norm (gated)", tokens, config.mamba_num_heads * config.mamba_head_dim, False,
+                           kinds.count("mamba"), gated=True)]
+    sites.append(NormSite(f"{name} (layer 0, {kinds[0]})", tokens, spec.hidden, False, 1, terms[kinds[0]]))
+    for kind in dict.fromkeys(kinds[1:]):
+        sites.append(NormSite(f"{name} (layers 1.., {kind})", tokens, spec.hidden, True, kinds[1:].count(kind),
+                              terms[kind]))
+    sites += [*post, NormSite("norm_f" if spec.family == "nemotron_h" else "norm", tokens, spec.hidden, True, 1)]
+    return sites + [site for site in mixers if site.count]
+
+
 def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 2, with_adds: bool = True,
                     with_grad_terms: bool = False, residual_only: bool = False) -> int:
     """Least bytes all RMSNorm sites of one step move (``pass_``: ``"infer"`` forward, ``"train"``
     forward and backward). Per site of M x N elements of ``elem_bytes``: forward 2 (read x, write
     y), or 4 with the residual (read x and the residual, write y and the sum); backward 3 (read
     dy and x, write dx), or 4 with the residual (read dy, the sum and the sum's incoming
-    gradient, write dx). ``with_adds=False`` counts every site as plain. ``with_grad_terms``
+    gradient, write dx); a gated site also reads the gate (forward and backward) and writes its
+    gradient. ``with_adds=False`` counts every site as plain. ``with_grad_terms``
     counts dy as the gradients it sums (``NormSite.grad_terms``), each read: the backward's
     floor where the sum of the projections' gradients is part of the norm's work (stock
     Inductor fuses it into its norm backward, ``fusion.fuse_gradient_sums`` into ours).
@@ -448,6 +513,8 @@ def norm_byte_floor(spec: ModelSpec, tokens: int, pass_: str, elem_bytes: int = 
         fused = with_adds and site.residual
         dy = site.grad_terms if with_grad_terms else 1
         per_element = (4 if fused else 2) + ((3 if fused else 2) + dy if pass_ == "train" else 0)
+        if site.gated:
+            per_element += 3 if pass_ == "train" else 1
         total += site.count * per_element * site.rows * site.cols * elem_bytes
     return total
 
@@ -501,12 +568,13 @@ def liger_available() -> str | None:
 
 def _is_hf_rmsnorm(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (type(module).__name__.endswith("RMSNorm") and any(hasattr(module, a) for a in EPS_ATTRIBUTES)
-            and isinstance(weight, nn.Parameter) and weight.dim() == 1)
+    return (type(module).__name__.endswith(("RMSNorm", "RMSNormGated"))
+            and any(hasattr(module, a) for a in EPS_ATTRIBUTES) and isinstance(weight, nn.Parameter)
+            and weight.dim() == 1)
 
 
 def norm_modules(model: nn.Module) -> list[nn.Module]:
-    """The model's RMSNorm modules (transformers' and ``nn.RMSNorm``), each once."""
+    """The model's RMSNorm modules (transformers' plain and gated ones, and ``nn.RMSNorm``), each once."""
     return [m for m in model.modules() if _is_hf_rmsnorm(m) or isinstance(m, nn.RMSNorm)]
 
 
