@@ -320,6 +320,11 @@ KERNEL_NAME_CHARS = 120  # top_kernels keys (GEMM template names run long); norm
 TOP_KERNELS = 12
 
 
+def nemotron_h_pattern(layers: int) -> str:
+    """NemotronH's layer pattern of ``layers`` layers: ``NEMOTRON_H_PATTERN`` repeated."""
+    return "".join(NEMOTRON_H_PATTERN[i % len(NEMOTRON_H_PATTERN)] for i in range(layers))
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One decoder: a family from ``FAMILIES`` and its shape."""
@@ -381,7 +386,7 @@ class ModelSpec:
                         linear_key_head_dim=16 if smoke else 128, linear_value_head_dim=16 if smoke else 128,
                         shared_expert_intermediate_size=self.intermediate, experts_implementation="batched_mm")
         heads = 2 * self.hidden // 64
-        return dict(hybrid_override_pattern="".join(NEMOTRON_H_PATTERN[i % 4] for i in range(self.layers)),
+        return dict(hybrid_override_pattern=nemotron_h_pattern(self.layers),
                     mamba_num_heads=heads, mamba_head_dim=64, n_groups=min(8, heads),
                     ssm_state_size=16 if smoke else 128)
 
@@ -478,8 +483,7 @@ def _hybrid_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
                   NormSite("q_norm", tokens * spec.heads, spec.head_dim, False, attention),
                   NormSite("k_norm", tokens * spec.kv_heads, spec.head_dim, False, attention)]
     else:
-        pattern = "".join(NEMOTRON_H_PATTERN[i % len(NEMOTRON_H_PATTERN)] for i in range(spec.layers))
-        kinds = ["mamba" if c == "M" else "attention" if c == "*" else "mlp" for c in pattern]
+        kinds = ["mamba" if c == "M" else "attention" if c == "*" else "mlp" for c in nemotron_h_pattern(spec.layers)]
         terms = {"mamba": 1, "attention": 3, "mlp": 1}
         name, post = "norm", []
         mixers = [NormSite("mixer.norm (gated)", tokens, config.mamba_num_heads * config.mamba_head_dim, False,
