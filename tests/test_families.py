@@ -98,17 +98,23 @@ FAMILIES = {
     # two groups.
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
         num_hidden_layers=3, layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=8,
-        ssm_state_size=8, n_groups=2, chunk_size=8), {"torch": 4, "llama(x*silu(gate)), groups of 16": 1}, None, True),
+        ssm_state_size=8, n_groups=2, chunk_size=8),
+        # transformers 5.17 rounds NemotronH's and DeepSeek V4's normalized rows before the weight (Llama's
+        # order), later releases after it (torch's): a tuple of counts is one per release
+        ({"torch": 4, "llama(x*silu(gate)), groups of 16": 1}, {"llama": 4, "llama(x*silu(gate)), groups of 16": 1}),
+        None, True),
     # Families of later transformers releases (skipped where the installed one lacks them). Gemma 4:
     # ten norms of one rounding, weightless v norms among them; Qwen 3.5: Qwen3-Next's `1 + weight`
     # norms and gated norm; DeepSeek V4: weightless norms that round rstd to the input's dtype
     # first (reported and left in place) beside six it swaps, one of them in its kv compressor,
-    # which these short inputs never reach (compiled in test_family_under_inductor).
+    # which these short inputs never reach (compiled in test_family_under_inductor; its experts as
+    # DeepSeek V3's).
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {}, {"torch": 10}, None, True),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(use_cache=False), {"gemma": 3, "llama*silu(gate)": 1},
                 None, True),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32), {"torch": 6}, COHERE_NORM, False),
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="batched_mm"),
+        ({"torch": 6}, {"llama": 6}), COHERE_NORM, False),
 }
 
 
@@ -166,7 +172,7 @@ def test_family_patched_eager_and_compiled(device, family):
     want = _outputs_and_grads(lambda **kw: _output(reference, **kw), reference, inputs)
 
     report = T.patch_rmsnorm(model)
-    assert report.semantics_counts() == counts, report
+    assert report.semantics_counts() in (counts if isinstance(counts, tuple) else (counts,)), report
     if skipped_reason is None:
         assert report.skipped == [], report
     else:
@@ -179,12 +185,12 @@ def test_family_patched_eager_and_compiled(device, family):
         h.remove()
 
     if compiled:
-        _assert_compiles(model, inputs, want, len(calls), len(patched))
+        _assert_compiles(model, inputs, want, len(calls), len(patched), reference)
     assert T.unpatch_rmsnorm(model) == len(report.swapped)
     assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
 
 
-def _assert_compiles(model, inputs, want, calls, patched):
+def _assert_compiles(model, inputs, want, calls, patched, reference):
     torch._dynamo.reset()
     graphs = []
 
@@ -193,7 +199,17 @@ def _assert_compiles(model, inputs, want, calls, patched):
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
     compiled = torch.compile(lambda **kw: _output(model, **kw), fullgraph=True, backend=backend)
-    _assert_close(_outputs_and_grads(compiled, model, inputs), want)
+    try:
+        got = _outputs_and_grads(compiled, model, inputs)
+    except Exception as e:  # only where the unpatched model fails alike (Qwen 3.5's linear attention, torch 2.11)
+        torch._dynamo.reset()
+        stock = torch.compile(lambda **kw: _output(reference, **kw), fullgraph=True, backend="aot_eager")
+        try:
+            _outputs_and_grads(stock, reference, inputs)
+        except type(e) as stock_error:
+            pytest.skip(f"the unpatched model fails alike under torch {torch.__version__}'s aot_eager: {stock_error}")
+        raise
+    _assert_close(got, want)
     assert len(graphs) == 1
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 

@@ -25,8 +25,8 @@ One layer name covers classes that compute differently (transformers 5.24 puts
 a ``kernels`` layer holds no state of its own. So the layers decide per class: the first
 call for a class probes that class's own forward (``recognize``) on a stand-in instance
 holding only what the layer reads (a random ``weight`` and the epsilon attribute; for
-the gated layer also the module's plain attributes, such as its activation's name, which
-join the key), once per class. Under ``torch.compile`` the probe runs while the graph is
+the gated layer also the module's plain attributes that its class's code names, such as
+its activation's name, which join the key), once per class. Under ``torch.compile`` the probe runs while the graph is
 traced (``torch.compiler.assume_constant_result``), so the graph holds the chosen call
 alone. A class whose forward computes none of the semantics, or reads anything else,
 keeps its own forward (the layer calls it) and a warning says why.
@@ -34,15 +34,17 @@ keeps its own forward (the layer calls it) and a warning says why.
 
 from __future__ import annotations
 
+import functools
 import threading
+import types
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, GatedSemantics, public_attributes, recognize
+from torch_rmsnorm_op.recognize import SEMANTICS_BY_NAME, GatedSemantics, is_plain, recognize
 
 if TYPE_CHECKING:
     from kernels import Mode
@@ -89,7 +91,7 @@ def _class_semantics(cls: type[nn.Module], eps_attribute: str, gated: bool = Fal
                      attributes: tuple[tuple[str, object], ...] = (), size: int = 32) -> str | None:
     """The name of the semantics (``recognize.SEMANTICS_BY_NAME``) that ``cls``'s own forward
     computes from ``weight`` and ``eps_attribute``, or None; probed once per class. For the
-    ``gated`` layer, ``attributes`` (the module's plain attributes) and the weight's ``size``
+    ``gated`` layer, ``attributes`` (``_plain_attributes``) and the weight's ``size``
     join the probe and the key, and the name is a key of ``_gated_semantics``."""
     key = (cls, eps_attribute, gated, attributes, size)
     with _lock:
@@ -105,10 +107,50 @@ def _layer_forward(module: nn.Module, x: Tensor, eps_attribute: str) -> Tensor:
     return SEMANTICS_BY_NAME[name].rms_norm(x, (x.shape[-1],), module.weight, getattr(module, eps_attribute))
 
 
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+@torch.compiler.assume_constant_result
+def _names_in_code(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The public names that the functions of ``cls`` and of its bases below ``nn.Module``
+    hold (attribute and global names, string constants), sorted: every attribute their code
+    can read by name."""
+    return _names_in_class_code(cls)
+
+
+@functools.cache  # inside: Dynamo inlines a cached function, marked or not
+def _names_in_class_code(cls: type[nn.Module]) -> tuple[str, ...]:
+    names: set[str] = set()
+    for base in cls.__mro__:
+        if base in (nn.Module, object) or not issubclass(base, nn.Module):
+            continue
+        for member in vars(base).values():
+            member = getattr(member, "__func__", member)  # staticmethod, classmethod
+            code = getattr(member, "__code__", None)
+            if isinstance(code, types.CodeType):
+                for c in _code_objects(code):
+                    names.update(c.co_names)
+                    names.update(v for v in c.co_consts if isinstance(v, str) and v.isidentifier())
+    return tuple(sorted(n for n in names if not n.startswith("_") and n != "training"))
+
+
+def _plain_attributes(module: nn.Module, eps_attribute: str) -> tuple[tuple[str, object], ...]:
+    """What else a gated forward reads: the module's plain attributes (``recognize.is_plain``)
+    that its class's code names (the activation's name, a group size), by name. The names
+    come from the class, tested one by one against the instance, so that ``torch.compile``
+    traces this on every supported torch (2.11's Dynamo does not iterate a module's
+    ``__dict__``)."""
+    state = module.__dict__
+    return tuple((name, state[name]) for name in _names_in_code(type(module))
+                 if name != eps_attribute and name in state and is_plain(state[name]))
+
+
 def _gated_layer_forward(module: nn.Module, x: Tensor, gate: Tensor | None, eps_attribute: str) -> Tensor:
-    # What else a gated forward reads: its plain attributes (the activation's name, a group size).
-    attributes = tuple(sorted((name, value) for name, value, plain in public_attributes(module)
-                              if plain and name != eps_attribute))
+    attributes = _plain_attributes(module, eps_attribute)
     key = _class_semantics(type(module), eps_attribute, True, attributes, module.weight.shape[0])
     if key is None:
         return type(module).forward(module, x, gate)

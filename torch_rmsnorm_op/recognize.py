@@ -395,9 +395,13 @@ def public_attributes(module: nn.Module) -> list[tuple[str, object, bool]]:
     """The instance's own attributes but the private ones and ``training``, each with whether it
     is plain: a number, string, bool, None or dtype, or a tuple of them (state a forward may
     read, which a key can hold and a copy can take)."""
-    return [(name, value, isinstance(value, _SIMPLE)
-             or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)))
+    return [(name, value, is_plain(value))
             for name, value in vars(module).items() if not name.startswith("_") and name != "training"]
+
+
+def is_plain(value: object) -> bool:
+    """Whether ``value`` is a number, string, bool, None or dtype, or a tuple of them."""
+    return isinstance(value, _SIMPLE) or (isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value))
 
 
 def _probe_key(module: nn.Module, shape: tuple[int, ...], weight: Tensor | None) -> tuple | None:
