@@ -332,6 +332,10 @@ def test_selection_rejects_bad_input():
         mb.Selection(backend="aot_eager", modes=("default", "reduce-overhead"))
     full = mb.Selection()
     assert full.compiles() == 3 * 2 * 2 * 2 * 3 * 2
+    # a family whose classes the installed transformers lacks: named, with the release
+    with pytest.raises(RuntimeError, match=r"model 'nemotron_h' needs transformers\.NoSuchForCausalLM, which "
+                                           r"transformers \S+ does not have"):
+        mb.transformers_class("nemotron_h", "NoSuchForCausalLM")
 
 
 def test_results_merge_only_with_the_same_versions(tmp_path):

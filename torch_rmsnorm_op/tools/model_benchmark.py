@@ -354,9 +354,7 @@ class ModelSpec:
 
     def config(self):
         """The transformers config (sdpa attention, no KV cache, untied embeddings)."""
-        import transformers
-
-        config_cls = getattr(transformers, FAMILIES[self.family][0])
+        config_cls = transformers_class(self.family, FAMILIES[self.family][0])
         kwargs = dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.intermediate,
                       num_hidden_layers=self.layers, num_attention_heads=self.heads,
                       num_key_value_heads=self.kv_heads, head_dim=self.head_dim, rms_norm_eps=EPS,
@@ -642,14 +640,24 @@ def implementation(model: nn.Module, impl: str) -> Iterator[tuple[int, StepConte
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
 
 
+def transformers_class(family: str, name: str) -> type:
+    """``transformers.<name>``; a ``RuntimeError`` naming the family and the installed release
+    where that release has no such class."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise RuntimeError(f"model {family!r} needs transformers.{name}, which transformers "
+                           f"{transformers.__version__} does not have: install a release that does")
+    return cls
+
+
 def build_model(spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> nn.Module:
     """``spec``'s causal LM on ``device`` in ``dtype``: transformers' initialization, then every
     RMSNorm weight drawn from U(0.5, 1.5) (so the weight's multiply is exercised)."""
-    import transformers
-
     torch.manual_seed(seed)
     with torch.device(device):
-        model = getattr(transformers, FAMILIES[spec.family][1])(spec.config())
+        model = transformers_class(spec.family, FAMILIES[spec.family][1])(spec.config())
     model.to(dtype)
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     with torch.no_grad():
