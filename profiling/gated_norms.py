@@ -8,7 +8,10 @@ rows of the intermediate width, normalized in groups):
 
 - ``qwen3_5``: ``Qwen3_5RMSNormGated(128)``, Llama's norm then ``silu(gate)``, 32 heads;
 - ``kimi_linear``: ``KimiLinearRMSNormGated(128)``, fp32 norm then ``sigmoid(gate)``, 32 heads;
-- ``mamba2``: ``Mamba2RMSNormGated(8192, group_size=1024)``, ``x * silu(gate)`` then the norm.
+- ``mamba2``: the Mamba 2 mixer's grouped norm, ``x * silu(gate)`` then the norm, as
+  ``Zamba2RMSNormGated(8192, group_size=1024)`` (the code of transformers 5.25's
+  ``Mamba2RMSNormGated``; the class NemotronH's mixers use in transformers 5.17, whose
+  ``Mamba2`` norm has no groups).
 
 Four ways each: ``stock`` (the module), ``patched`` (``patch_rmsnorm``), and both under
 ``torch.compile(dynamic=False)`` (``stock_compiled``, ``patched_compiled``; Inductor). For the
@@ -43,12 +46,12 @@ HEADS = 32
 def modules() -> dict[str, tuple[nn.Module, int]]:
     """name -> (module, rows per token)."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearRMSNormGated
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2RMSNormGated
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNormGated
+    from transformers.models.zamba2.modeling_zamba2 import Zamba2RMSNormGated
 
     return {"qwen3_5": (Qwen3_5RMSNormGated(128, eps=1e-6), HEADS),
             "kimi_linear": (KimiLinearRMSNormGated(128, eps=1e-6), HEADS),
-            "mamba2": (Mamba2RMSNormGated(8192, group_size=1024, eps=1e-5), 1)}
+            "mamba2": (Zamba2RMSNormGated(8192, group_size=1024, eps=1e-5), 1)}
 
 
 def _step(module: nn.Module, backward: bool):

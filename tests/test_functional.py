@@ -170,13 +170,15 @@ def test_keyword_dtypes_and_residual_errors_on_either_path(device, path):
 def test_input_made_under_inference_mode_trains_the_weight(device):
     """Features made under ``torch.inference_mode`` (inference tensors, which autograd cannot
     save) normalized outside it with a weight that is trained: the weight's gradient is
-    ``F.rms_norm``'s, through ``rms_norm`` and ``add_rms_norm``."""
+    ``F.rms_norm``'s of a normal copy of the features (torch's own CUDA ``rms_norm`` refuses an
+    inference tensor), through ``rms_norm`` and ``add_rms_norm``."""
     with torch.inference_mode():
         x, r = torch.randn(4, 8, device=device), torch.randn(4, 8, device=device)
     w = torch.rand(8, device=device, requires_grad=True)
     g = torch.randn(4, 8, device=device)
-    for ours, torchs in ((lambda: T.rms_norm(x, (8,), w), lambda: F.rms_norm(x, (8,), w)),
-                         (lambda: T.add_rms_norm(x, r, (8,), w)[0], lambda: F.rms_norm(x + r, (8,), w))):
+    xc, rc = x.clone(), r.clone()
+    for ours, torchs in ((lambda: T.rms_norm(x, (8,), w), lambda: F.rms_norm(xc, (8,), w)),
+                         (lambda: T.add_rms_norm(x, r, (8,), w)[0], lambda: F.rms_norm(xc + rc, (8,), w))):
         (want,) = torch.autograd.grad(torchs(), w, g)
         (got,) = torch.autograd.grad(ours(), w, g)
         torch.testing.assert_close(got, want, **grad_tol(torch.float32))
