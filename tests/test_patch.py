@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-from checks import assert_computes_like
+from checks import assert_computes_like, compiling_afresh
 from tolerances import MODEL, NORM_FP32, TOL, grad_tol
 from torch import nn
 
@@ -559,3 +559,38 @@ def test_gated_norms_are_left_to_inductor(device):
             assert sum("rmsnorm.fwd" in str(n.target) for n in counter.graphs[0].graph.nodes) == len(GATED)
         elif device.type == "cpu":  # a compiled CPU graph calls the ops it keeps: none
             assert not T.dispatch_stats()["kernel"], T.dispatch_stats()
+
+
+@pytest.mark.parametrize("make", [lambda: NormThenGateRMSNorm(16), lambda: Fp32SigmoidGateRMSNorm(16),
+                                  lambda: GateThenGroupNormRMSNorm(16, 4)], ids=["norm-then-gate", "fp32-sigmoid",
+                                                                                 "gate-then-groups"])
+def test_compiled_gated_norm_runs_the_modules_ops_in_its_order(device, make):
+    """Left to Inductor, a patched gated norm's forward and backward graphs hold the ops of the
+    module's own graphs in the module's order (the gate's activation where the module computes
+    it), up to the casts a mixed-dtype product implies: Inductor groups ops into kernels from
+    that order, so the patched norm compiles to the module's kernels."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Record(CustomGraphPass):
+        def __init__(self):
+            self.graphs = []
+
+        def __call__(self, graph):
+            self.graphs.append([str(n.target) for n in graph.nodes if n.op == "call_function"
+                                and n.target is not torch.ops.prims.convert_element_type.default])
+
+        def uuid(self):
+            return None
+
+    original = make().to(device=device, dtype=torch.bfloat16)
+    model = nn.ModuleList([copy.deepcopy(original)])
+    assert len(T.patch_rmsnorm(model).swapped) == 1
+    x, gate = (torch.randn(8, 16, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dy = torch.randn(8, 16, device=device, dtype=torch.bfloat16)
+    recorded = []
+    for module in (original, model[0]):
+        record = Record()
+        with compiling_afresh(), torch._inductor.config.patch(post_grad_custom_pre_pass=record):
+            torch.compile(module, fullgraph=True)(x, gate).backward(dy)  # the backward compiles here
+        recorded.append(record.graphs)
+    assert len(recorded[0]) == 2 and recorded[1] == recorded[0], recorded

@@ -187,10 +187,12 @@ class GatedSemantics:
                 norm: Callable[..., Tensor]) -> Tensor:
         """The gated norm with ``norm`` (``rms_norm``'s signature and keywords) computing the
         norm's part; the gate, the groups' weight and the casts in torch ops."""
+        # The ops run in the order transformers' modules write them (the gate's activation where
+        # it multiplies), so that a compiled graph holds what the module's graph holds.
         x_dtype = x.dtype
         ctype = reference.computation_dtype(x_dtype)
-        act = None if gate is None else GATE_ACTIVATIONS[self.activation](gate.to(ctype))
-        h = x.to(ctype) * act if act is not None and self.form.gate_first else x
+        activation = GATE_ACTIVATIONS[self.activation]
+        h = x.to(ctype) * activation(gate.to(ctype)) if gate is not None and self.form.gate_first else x
         grouped = self.group_size is not None and self.group_size != h.shape[-1]
         w = None if grouped else weight
         if self.form.norm is LLAMA:  # rounded to x's dtype, then scaled: output promote(w, x)
@@ -206,8 +208,8 @@ class GatedSemantics:
         else:
             y = norm(h, (h.shape[-1],), w, eps, norm_dtype=norm_dtype,
                      out_dtype=None if out_dtype == h.dtype else out_dtype)
-        if act is not None and not self.form.gate_first:
-            y = y * act
+        if gate is not None and not self.form.gate_first:
+            y = y * activation(gate.to(ctype))
         return y.to(x_dtype) if self.form.cast_back else y
 
     def rms_norm(self, x: Tensor, gate: Tensor | None, weight: Tensor | None, eps: float | None) -> Tensor:
