@@ -18,7 +18,8 @@ Four ways each: ``stock`` (the module), ``patched`` (``patch_rmsnorm``), and bot
 forward (``fwd``) and forward+backward (``fwd_bwd``, the gradients of x, the gate and the
 weight): ``*_gpu_us``, the GPU time of all kernels of one call (``torch.profiler`` device
 events, 40 calls, averaged) and ``*_call_us``, the wall time of one call to its end
-(``triton.testing.do_bench``-style: CUDA events around 40 calls). Inputs rotate through a pool
+(``triton.testing.do_bench``-style: CUDA events around 40 calls); compiled,
+``*_kernels``, the kernels its output code launches, in order. Inputs rotate through a pool
 of at least 200 MB so that none comes from L2. ``max_abs_diff``: the largest difference of the
 patched output from the module's, eager.
 """
@@ -29,10 +30,12 @@ import argparse
 import copy
 import json
 import os
+import re
 import sys
 
 import torch
 from torch import nn
+from torch._inductor.utils import run_and_get_code
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -62,6 +65,12 @@ def _step(module: nn.Module, backward: bool):
         return y
 
     return run
+
+
+def launched_kernels(code: list[str]) -> list[str]:
+    """The kernels Inductor's output code (every graph of one call) launches, in order."""
+    return [name for source in code
+            for name in re.findall(r"^\s+((?:triton|cpp)_\w+)(?:\.run)?\(", source, re.MULTILINE)]
 
 
 def call_us(fn, pool: list, iters: int) -> float:
@@ -113,9 +122,11 @@ def main(argv: list[str] | None = None) -> None:
                 for compiled in (False, True):
                     for pass_, backward in (("fwd", False), ("fwd_bwd", True)):
                         fn = _step(module, backward)
+                        key = f"{impl}{'_compiled' if compiled else ''}_{pass_}"
                         if compiled:
                             fn = torch.compile(fn, dynamic=False)
-                        key = f"{impl}{'_compiled' if compiled else ''}_{pass_}"
+                            _, code = run_and_get_code(fn, *pool[0])
+                            row[f"{key}_kernels"] = launched_kernels(code)
                         if args.smoke:
                             fn(*pool[0])
                             continue
