@@ -380,13 +380,9 @@ class ModelSpec:
         model's they follow; a smoke-sized model's are scaled down)."""
         smoke = self.hidden == SMOKE_HIDDEN
         if self.family == "qwen3_next":
-            # transformers' grouped_mm experts, as the other mixtures' here; batched_mm gathers
-            # each token's expert weights (704 GiB at 4x2048 tokens), which only a smoke-sized
-            # model can afford
             return dict(linear_num_key_heads=2 if smoke else 16, linear_num_value_heads=4 if smoke else 32,
                         linear_key_head_dim=16 if smoke else 128, linear_value_head_dim=16 if smoke else 128,
-                        shared_expert_intermediate_size=self.intermediate,
-                        **({"experts_implementation": "batched_mm"} if smoke else {}))
+                        shared_expert_intermediate_size=self.intermediate)
         heads = 2 * self.hidden // 64
         return dict(hybrid_override_pattern=nemotron_h_pattern(self.layers),
                     mamba_num_heads=heads, mamba_head_dim=64, n_groups=min(8, heads),
