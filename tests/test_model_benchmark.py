@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -379,6 +380,26 @@ def test_compile_workers_each_get_one_model(capsys):
             assert main(cmd[3:] + ["--plan"]) == 0
             out = capsys.readouterr().out
             assert f"{len(sel.passes)} compiles" in out and ", 3 layers," in out, out
+
+
+def test_warm_caches_removes_the_configurations_its_workers_autotuned(tmp_path, monkeypatch, capsys):
+    """The workers share the GPU: the timing process tunes Inductor's kernels again, alone. A
+    configuration recorded before the workers ran stays."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    earlier = tmp_path / "ab" / "earlier.best_config"
+    earlier.parent.mkdir()
+    earlier.write_text("{}")
+    kernel = tmp_path / "cd" / "kernel.py"
+    kernel.parent.mkdir()
+    kernel.write_text("")
+    recorded = tmp_path / "cd" / "kernel.best_config"
+    write = f"import pathlib; pathlib.Path({str(recorded)!r}).write_text('{{}}')"
+    monkeypatch.setattr(mb, "worker_commands", lambda sel: [([sys.executable, "-c", write], "worker")])
+    before = earlier.stat().st_mtime
+    os.utime(earlier, (before - 60, before - 60))
+    mb.warm_caches(mb.Selection(models=("llama",), smoke=True), jobs=1)
+    assert not recorded.exists() and earlier.exists() and kernel.exists()
+    assert "removed 1 autotuned configurations the workers recorded" in capsys.readouterr().out
 
 
 def test_compile_only_compiles_without_timing(capsys):

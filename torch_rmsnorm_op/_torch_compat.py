@@ -19,7 +19,9 @@ the job. Checked on torch 2.11 and 2.13.
 - ``compile_workers_running()``: whether Inductor's compile worker processes have started
   (its set of pools), for ``static_launch.install``;
 - ``aot_compiling()``: whether AOTInductor is compiling a package (Inductor's
-  ``V.aot_compilation``), where a CPU graph cannot keep an op that calls back into Python.
+  ``V.aot_compilation``), where a CPU graph cannot keep an op that calls back into Python;
+- ``inductor_cache_dir()``: Inductor's on-disk cache directory, where its kernels and their
+  autotuned configurations (``*.best_config``) are kept.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "decomposing_custom_triton_ops",
     "dispatcher_has_nothing_to_do",
     "functorch_transform",
+    "inductor_cache_dir",
     "recording_graph",
     "register_triton_kernels",
     "traced_triton_kernel",
@@ -125,3 +128,10 @@ def aot_compiling() -> bool:
     """Whether AOTInductor is compiling a package (``aoti_compile_and_package``) right now."""
     virtualized = sys.modules.get("torch._inductor.virtualized")  # not imported: nothing compiles
     return virtualized is not None and virtualized.V.aot_compilation
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache directory (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return cache_dir()

@@ -267,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--backend", help="torch.compile backend (default: inductor; aot_eager with --smoke)")
     models.add_argument("--compile-jobs", type=int, default=0,
                         help="first compile every model in this many parallel worker processes, filling Inductor's "
-                             "on-disk caches, then time serially loading from them (default: 0, compile while timing)")
+                             "on-disk caches, then time serially loading from them; the timing process autotunes "
+                             "Inductor's kernels itself (default: 0, compile while timing)")
     models.add_argument("--compile-only", action="store_true",
                         help="compile the selected configurations (one step each) and time nothing")
     models.add_argument("--plan", action="store_true", help="print the configurations and compile count, run nothing")

@@ -178,11 +178,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from torch_rmsnorm_op import static_launch
+from torch_rmsnorm_op._torch_compat import inductor_cache_dir
 from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES, recognize
 
 # family -> (config class, model class) in transformers
@@ -1302,9 +1304,15 @@ def warm_caches(sel: Selection, jobs: int) -> None:
     """Compile every compiled model of ``sel`` in ``jobs`` parallel worker processes
     (``worker_commands``), filling Inductor's and Triton's on-disk caches; the timing that follows
     loads the graphs from there. A worker that fails costs only its speed-up: the timing process
-    then compiles that model itself."""
+    then compiles that model itself.
+
+    The workers share the GPU, so the configurations Inductor's autotuner picks there are picked
+    under each other's load; the ones they record (``*.best_config``) are removed afterwards, and
+    the timing process autotunes every kernel again on an idle GPU. Stock's and the patched
+    model's copies of one kernel carry different names, so they are tuned apart."""
     cmds = worker_commands(sel)
     _log(f"compiling {len(cmds)} models in {jobs} worker processes")
+    started = time.time()
 
     def work(item: tuple[list[str], str]) -> None:
         cmd, label = item
@@ -1315,6 +1323,22 @@ def warm_caches(sel: Selection, jobs: int) -> None:
 
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(work, cmds))
+    removed = drop_best_configs(since=started)
+    _log(f"removed {removed} autotuned configurations the workers recorded")
+
+
+def drop_best_configs(since: float) -> int:
+    """Remove the autotuned kernel configurations Inductor recorded in its cache directory at or
+    after ``since`` (a ``time.time()`` value); return how many."""
+    removed = 0
+    for path in Path(inductor_cache_dir()).rglob("*.best_config"):
+        try:
+            if path.stat().st_mtime >= since:
+                path.unlink()
+                removed += 1
+        except FileNotFoundError:
+            continue
+    return removed
 
 
 def compile_only(sel: Selection) -> None:
