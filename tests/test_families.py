@@ -75,12 +75,14 @@ FAMILIES = {
                 experts_implementation="batched_mm"), {"llama": 3}, None, True),  # as DeepSeek V3's, above
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, experts_implementation="batched_mm"), {"llama": 5}, None, True),
-    # Qwen3-Next: Gemma's `1 + weight` norms, and a gated norm in its linear-attention layer
-    # (forward(hidden_states, gate), Llama's norm then the gate); compiled under Inductor only, since aot_eager's
-    # backward of the unpatched model's linear attention fails a view (torch 2.13).
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(layer_types=["linear_attention"], use_cache=False,
-                   experts_implementation="batched_mm"),  # as DeepSeek V3's, above
-                   {"gemma": 3, "llama*silu(gate)": 1}, None, False),
+    # Qwen3-Next: Gemma's `1 + weight` norms, a gated norm in its linear-attention layer
+    # (forward(hidden_states, gate), Llama's norm then the gate), and q/k norms in its attention layer, the q
+    # norm's rows a strided half of each head's projection (q beside its output gate); compiled under Inductor
+    # only, since aot_eager's backward of the unpatched model's linear attention fails a view (torch 2.13).
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], use_cache=False,
+        experts_implementation="batched_mm"),  # as DeepSeek V3's, above
+        {"gemma": 7, "llama*silu(gate)": 1}, None, False),
     # Gemma 3n: twelve norms, among them q, k and a weightless v norm, AltUp's router norm and
     # LAuReL's, and a norm, residual add and norm that Inductor's pass joins into one op.
     "gemma3n": ("Gemma3nTextConfig", "Gemma3nForCausalLM", dict(

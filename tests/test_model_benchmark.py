@@ -551,3 +551,27 @@ def test_rederive_rejects_what_is_not_a_results_file(tmp_path, capsys):
     for path in (tmp_path / "missing.json", tmp_path, other):
         assert cli.main(["bench-models", "--rederive", str(path)]) == 2
         assert "--rederive" in capsys.readouterr().err
+
+
+def test_router_flips_measures_the_patched_model_and_each_close_choice(capsys):
+    """``profiling/router_flips.py --smoke``: the patched model's distance from the unpatched one,
+    then the rows whose k-th and (k+1)-th router logits are closest, smallest margin first, each
+    run again with another expert chosen, which moves the gradients; a model without a softmax
+    top-k router is refused by name."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.join(root, "profiling"))
+    try:
+        import router_flips
+    finally:
+        sys.path.remove(os.path.join(root, "profiling"))
+    router_flips.main(["--smoke", "--model", "qwen3_next", "--rows", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("qwen3_next hidden 64 x 2 layers, 16 tokens, cpu"), lines
+    assert "patched (7 norms swapped), eager" in lines[1] and "of 32 (layer, token) rows" in lines[1], lines
+    margins = [float(line.split("margin to the next ")[1].split(";")[0]) for line in lines[2:]]
+    assert margins == sorted(margins), lines
+    for line in lines[2:]:
+        assert float(line.split("gradients by ")[1].split(" ")[0]) > 0, line
+    for family, why in (("llama", "has no top-k router"), ("deepseek_v3", "is not one of")):
+        with pytest.raises(ValueError, match=why):
+            router_flips.main(["--smoke", "--model", family])
