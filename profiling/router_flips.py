@@ -34,6 +34,7 @@ import torch_rmsnorm_op as T  # noqa: E402
 from torch_rmsnorm_op.tools import model_benchmark as B  # noqa: E402
 
 SOFTMAX_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter")
+Routed = list[tuple[torch.Tensor, torch.Tensor]]  # per router: (logits, chosen experts)
 
 
 def routers(model: nn.Module) -> list[nn.Module]:
@@ -47,17 +48,17 @@ def routers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
-def step(model: nn.Module, ids: torch.Tensor, record: list | None = None,
+def step(model: nn.Module, ids: torch.Tensor, record: Routed | None = None,
          force: dict[int, tuple[int, int]] | None = None) -> tuple[float, torch.Tensor]:
     """One eager training step: (loss, the RMSNorm weights' gradients). ``record`` receives each
-    router's logits; ``force`` maps a router's index to (row, expert): that row's last chosen
-    expert is replaced by ``expert``."""
+    router's (logits, chosen experts); ``force`` maps a router's index to (row, expert): that row's
+    last chosen expert, its lowest-scored, is replaced by ``expert``."""
     hooks = []
     for i, router in enumerate(routers(model)):
         def hook(mod, args, out, i=i):
             logits, scores, idx = out
             if record is not None:
-                record.append(logits.detach().float().clone())
+                record.append((logits.detach().float().clone(), idx.detach().clone()))
             if force is not None and i in force:
                 row, expert = force[i]
                 idx = idx.clone()
@@ -78,15 +79,18 @@ def step(model: nn.Module, ids: torch.Tensor, record: list | None = None,
     return loss.item(), B._norm_grads([m.weight for m in B.norm_modules(model)])
 
 
-def closest_rows(logits: list[torch.Tensor], k: int, rows: int) -> list[tuple[float, int, int, int, float]]:
-    """(margin, layer, row, next expert, k-th logit) of the ``rows`` rows whose k-th and (k+1)-th
-    router logits are closest, smallest margin first."""
+def closest_rows(routed: Routed, rows: int) -> list[tuple[float, int, int, int, float]]:
+    """(margin, layer, row, expert, k-th logit) of the ``rows`` rows whose k-th and (k+1)-th router
+    logits are closest, smallest margin first; ``expert``: the best one the router did not choose
+    (at a tie, the router's choice decides which of the tied experts that is)."""
     found = []
-    for layer, lg in enumerate(logits):
-        top = lg.topk(k + 1, -1)
-        margin = top.values[:, k - 1] - top.values[:, k]
-        for row in range(lg.shape[0]):
-            found.append((margin[row].item(), layer, row, top.indices[row, k].item(), top.values[row, k - 1].item()))
+    for layer, (logits, idx) in enumerate(routed):
+        k = idx.shape[-1]
+        top = logits.topk(k + 1, -1).values
+        margin = top[:, k - 1] - top[:, k]
+        for row in range(logits.shape[0]):
+            unchosen = logits[row].scatter(0, idx[row], float("-inf"))
+            found.append((margin[row].item(), layer, row, int(unchosen.argmax()), top[row, k - 1].item()))
     return sorted(found)[:rows]
 
 
@@ -106,24 +110,22 @@ def main(argv: list[str] | None = None) -> None:
     model = B.build_model(spec, device)
     ids = torch.randint(0, spec.vocab, (1, args.tokens), device=device,
                         generator=torch.Generator(device=device).manual_seed(args.tokens))
-    logits: list[torch.Tensor] = []
-    base = step(model, ids, record=logits)
-    k = routers(model)[0].top_k
+    routed: Routed = []
+    base = step(model, ids, record=routed)
+    logits, idx = routed[0]
     print(f"{args.model} hidden {spec.hidden} x {spec.layers} layers, {args.tokens} tokens, {device}: "
-          f"top_k {k} of {logits[0].shape[-1]} experts; loss {base[0]:.6f}")
+          f"top_k {idx.shape[-1]} of {logits.shape[-1]} experts; loss {base[0]:.6f}")
     report = T.patch_rmsnorm(model)
-    patched_logits: list[torch.Tensor] = []
-    patched = step(model, ids, record=patched_logits)
+    routed_patched: Routed = []
+    patched = step(model, ids, record=routed_patched)
     T.unpatch_rmsnorm(model)
-    differ = sum(int((a.topk(k).indices.sort(-1).values != b.topk(k).indices.sort(-1).values).any(-1).sum())
-                 for a, b in zip(logits, patched_logits))
+    differ = sum(int((a.sort(-1).values != b.sort(-1).values).any(-1).sum())
+                 for (_, a), (_, b) in zip(routed, routed_patched))
     print(f"patched ({len(report.swapped)} norms swapped), eager: the loss moves by "
           f"{abs(patched[0] - base[0]) / abs(base[0]):.2e} (relative), the norm weights' gradients by "
           f"{B._rel_l2(patched[1], base[1]):.4f} (relative L2); router choices differing in {differ} of "
-          f"{sum(lg.shape[0] for lg in logits)} (layer, token) rows")
-    for margin, layer, row, _, value in closest_rows(logits, k, args.rows):
-        chosen = set(logits[layer][row].topk(k).indices.tolist())
-        expert = next(e for e in logits[layer][row].argsort(descending=True).tolist() if e not in chosen)
+          f"{sum(i.shape[0] for _, i in routed)} (layer, token) rows")
+    for margin, layer, row, expert, value in closest_rows(routed, args.rows):
         moved = step(model, ids, force={layer: (row, expert)})
         print(f"layer {layer} token {row}: k-th logit {value:.4f}, margin to the next {margin:.2e}; "
               f"choosing expert {expert} instead moves the loss by {abs(moved[0] - base[0]) / abs(base[0]):.2e} "
