@@ -403,10 +403,20 @@ def test_warm_caches_removes_the_configurations_its_workers_autotuned(tmp_path, 
 
 
 def test_compile_only_compiles_without_timing(capsys):
+    """A cache-warming worker of stock alone installs the library's Inductor passes before it
+    compiles, as the timing process has them once a patched impl is set up: they are part of
+    Inductor's cache key, so the timing process then finds stock's graphs in the cache."""
+    from torch._inductor import config
+
+    from torch_rmsnorm_op import fusion
+
     sel = mb.Selection(models=("llama",), tokens=((1, 8),), modes=("default",), passes=("infer",),
                        impls=("stock",), backend="aot_eager", smoke=True)
-    mb.compile_only(sel)
+    with config.patch(pre_grad_custom_pass=None, post_grad_custom_post_pass=None):
+        mb.compile_only(sel)
+        passes = (config.pre_grad_custom_pass, config.post_grad_custom_post_pass)
     assert "llama 64 1x8 default stock infer: compiled in" in capsys.readouterr().out
+    assert [type(p) for p in passes] == [fusion.fusion_pass_class()] * 2
 
 
 def test_judge_takes_the_tolerances_or_twice_stocks_own_distance():

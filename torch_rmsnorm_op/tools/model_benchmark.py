@@ -186,7 +186,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from torch_rmsnorm_op import static_launch
+from torch_rmsnorm_op import fusion, static_launch
 from torch_rmsnorm_op._torch_compat import inductor_cache_dir
 from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES, recognize
 
@@ -1141,6 +1141,7 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
 
     _log(f"{gpu}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
          f"liger_kernel {liger}; {sel.compiles()} compiles")
+    install_rewrites()
     if "patched" in sel.impls:
         # As for a user who patches before compiling: set before any compile starts Inductor's
         # workers (and before the cache-warming processes, which inherit it).
@@ -1312,7 +1313,9 @@ def warm_caches(sel: Selection, jobs: int) -> None:
     The workers share the GPU, so the configurations Inductor's autotuner picks there are picked
     under each other's load; the ones they record (``*.best_config``) are removed afterwards, and
     the timing process autotunes every kernel again on an idle GPU. Stock's and the patched
-    model's copies of one kernel carry different names, so they are tuned apart."""
+    model's copies of one kernel carry different names, so they are tuned apart. Every worker
+    installs the library's Inductor passes before compiling (``install_rewrites``), as the timing
+    process has them, so that stock's graphs carry the timing process's cache key."""
     cmds = worker_commands(sel)
     _log(f"compiling {len(cmds)} models in {jobs} worker processes")
     started = time.time()
@@ -1344,8 +1347,19 @@ def drop_best_configs(since: float) -> int:
     return removed
 
 
+def install_rewrites() -> None:
+    """Install the library's Inductor passes (``fusion.install``) before anything compiles.
+    Patching a model installs them for the rest of the process, so in the timing process stock's
+    graphs compile with them installed once a patched impl is set up; they change no graph
+    without the library's ops, but they are part of Inductor's cache key. Every process of a run
+    installs them first, so that a stock graph compiled in a cache-warming worker is the one the
+    timing process finds in the cache."""
+    fusion.install()
+
+
 def compile_only(sel: Selection) -> None:
     """Build and compile every configuration of ``sel`` (one step per pass) and time nothing."""
+    install_rewrites()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sel = _without_missing_liger(sel, liger_available(), device)
     for spec in sel.specs():
