@@ -589,6 +589,17 @@ class _BackwardGraph:
             node.meta["val"] = torch.ops.aten.add.Tensor(a.meta["val"], b.meta["val"], **kwargs)
         return node
 
+    def call(self, op, *args, **kwargs):
+        node = self.graph.call_function(op, args, kwargs)
+        with self.mode:
+            node.meta["val"] = op(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args), **kwargs)
+        return node
+
+    def addmm(self, inp, k=3, **kwargs):
+        """``inp + a @ b`` as Inductor writes it (``aten.addmm``), a [4, k] and b [k, 8] new inputs."""
+        a, b = self.tensor(f"a{len(self.graph.nodes)}", (4, k)), self.tensor(f"b{len(self.graph.nodes)}", (k, 8))
+        return self.call(torch.ops.aten.addmm.default, inp, a, b, **kwargs)
+
     def launch(self, dy, kernel="_rms_norm_bwd_rows", **more):
         from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
 
@@ -703,6 +714,64 @@ def test_gradient_sums_stay_where_the_kernel_would_add_differently():
             assert [n.args for n in _adds(g.graph)] == [four], name
             continue
         assert fused == 0 and len(_adds(g.graph)) == adds, name
+
+
+def _targets(graph):
+    return [n.target for n in graph.nodes if n.op == "call_function"]
+
+
+def test_gradient_sums_inductor_made_addmms_move_into_the_backward_kernel():
+    """A mixture of experts sums its gradients over [tokens, hidden] and Inductor makes ``inp +
+    a @ b`` an ``addmm`` (the router's, the shared expert's projections): the launch reads
+    ``inp`` and ``aten.mm(a, b)``, through the views to [batch, seq, hidden], and the addmms and
+    views are gone (an addmm copies ``inp`` into its output and its product reads it again)."""
+    mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+    for shape in ("addmm", "viewed sum", "chain"):
+        g = _BackwardGraph()
+        e, f = g.tensor("e"), g.tensor("f")
+        if shape == "addmm":
+            dy, want_terms = g.addmm(e), 2
+        elif shape == "viewed sum":
+            dy, want_terms = g.call(torch.ops.aten.view.default, g.addmm(g.add(e, f)), [1, 4, 8]), 3
+        else:
+            dy, want_terms = g.addmm(g.addmm(e)), 3
+        launch = g.launch(dy)
+        assert fusion.fuse_gradient_sums(g.graph) == 1, shape
+        args = fusion._constexprs(launch)
+        terms = [args[k] for k in ("DY", "DY2", "DY3")[:want_terms]]
+        assert args["DY_TERMS"] == want_terms and terms[0] is e, shape
+        if shape == "viewed sum":
+            assert terms[1] is f
+        products = terms[1:] if shape == "chain" else terms[-1:]
+        assert all(t.target is mm and tuple(t.meta["val"].shape) == (4, 8) for t in products), shape
+        assert addmm not in _targets(g.graph) and torch.ops.aten.view.default not in _targets(g.graph), shape
+        assert not _adds(g.graph), shape
+        g.graph.lint()
+
+
+def test_gradient_sums_leave_addmms_that_are_not_plain_sums():
+    """An addmm stays where its sum is not ``inp + a @ b`` in dy's rows: a beta or alpha, a
+    broadcast ``inp`` (a bias), a transpose of it, an ``inp`` of other strides, a view something
+    else reads."""
+    cases = {}
+    g = _BackwardGraph()
+    cases["beta"] = g, g.launch(g.addmm(g.tensor("e"), beta=2))
+    g = _BackwardGraph()
+    cases["alpha"] = g, g.launch(g.addmm(g.tensor("e"), alpha=2))
+    g = _BackwardGraph()
+    cases["bias"] = g, g.launch(g.call(torch.ops.aten.expand.default, g.addmm(g.tensor("e", shape=(8,))), [4, 8]))
+    g = _BackwardGraph()
+    cases["transposed"] = g, g.launch(g.call(torch.ops.aten.permute.default, g.addmm(g.tensor("e")), [1, 0]))
+    g = _BackwardGraph()
+    cases["strided inp"] = g, g.launch(g.addmm(g.tensor("e", stride=(1, 4))))
+    g = _BackwardGraph()
+    view = g.call(torch.ops.aten.view.default, g.addmm(g.tensor("e")), [1, 4, 8])
+    g.call(torch.ops.aten.neg.default, view)
+    cases["second user"] = g, g.launch(view)
+    for name, (g, _) in cases.items():
+        before = _targets(g.graph)
+        assert fusion.fuse_gradient_sums(g.graph) == 0, name
+        assert _targets(g.graph) == before, name
 
 
 def test_gradient_sums_leave_other_launches_alone():
@@ -964,6 +1033,54 @@ def test_cuda_compiled_inference_allocates_no_rstd(residual):
     with T.fallback_policy("error"):
         out, code = _code(torch.compile(f, fullgraph=True), x, r, w)
     FileCheck().check("empty_strided_cuda((16, ), (1, ), torch.float32)").run(code)
+
+
+@pytest.mark.cuda
+def test_cuda_mixture_of_experts_gradients_sum_in_the_backward_kernel(monkeypatch):
+    """A patched Qwen3-MoE compiled with Inductor on CUDA: the router's gradient reaches the MLP
+    norm as Inductor's ``addmm`` of the experts' gradient, which copies that gradient into its
+    output first; with the rewrite on, every layer's MLP norm backward sums the experts' gradient
+    and the router's product, and the step holds no addmm. The loss is the same bits as with the
+    rewrite off, the gradients within a bf16 model's tolerance (the addmm rounds its sum once, the
+    kernel sums the rounded product)."""
+    layers = 2
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa",
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    torch.manual_seed(0)
+    base = transformers.Qwen3MoeForCausalLM(config).cuda().to(torch.bfloat16).train()  # grouped_mm: 2-byte dtypes
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
+    counts = []
+    real = fusion.fuse_gradient_sums
+    monkeypatch.setattr(fusion, "fuse_gradient_sums", lambda graph: counts.append(real(graph)) or counts[-1])
+    results, codes = [], []
+    for enabled in (True, False):
+        fusion.set_gradient_fusion(enabled)
+        counts.clear()
+        model = copy.deepcopy(base)
+        T.patch_rmsnorm(model)
+        compiled = torch.compile(model, fullgraph=True)
+
+        def step(compiled=compiled):
+            loss = compiled(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss.detach()
+
+        try:
+            with T.fallback_policy("error"):
+                loss, code = _code(step)
+        finally:
+            fusion.set_gradient_fusion(None)
+        results.append((loss, [p.grad for p in model.parameters()]))
+        codes.append(code)
+        # the attention norms' q, k, v sums (but the first layer's, Inductor's) and every MLP norm's
+        assert sum(counts) == (2 * layers - 1 if enabled else 0), counts
+    assert "extern_kernels.addmm(" not in codes[0] and "extern_kernels.addmm(" in codes[1]
+    (loss_on, grads_on), (loss_off, grads_off) = results
+    assert torch.equal(loss_on, loss_off)
+    for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):
+        torch.testing.assert_close(a, b, **MODEL[torch.bfloat16], msg=name)
 
 
 @pytest.mark.cuda

@@ -98,8 +98,15 @@ outputs), dx is the same bits as without the rewrite, and dweight too where the 
 keeps its tile's rows; where it takes fewer (``launch.summed_gradient_consts``), dweight's rows
 are added in another order in fp32, and its one rounding may differ in the last place; a term
 that is itself a pointwise result, which Inductor could have fused into the sum unrounded, is
-rounded to its dtype first (as eager torch rounds it). Only same-dtype, same-shape,
-same-strides terms are taken. The pass runs as Inductor's ``post_grad_custom_post_pass``, on
+rounded to its dtype first (as eager torch rounds it). Only same-dtype terms with the rows dy
+has are taken (its shape and strides, or contiguous with its element count and last dim: a
+mixture of experts sums its gradients over [tokens, hidden] and views the sum as [batch, seq,
+hidden]). A sum Inductor has made an ``addmm`` (``inp + a @ b``: its own post-grad patterns
+fuse the router's or a shared expert's projection gradient with the experts' where the sum feeds
+anything but elementwise ops) counts as one: the kernel takes ``inp`` and ``aten.mm(a, b)``, so
+the addmm's copy of ``inp`` into its output and its second read of it leave the step, and the
+sum is computed as stock Inductor computes it (the product rounded, then added in fp32). The
+pass runs as Inductor's ``post_grad_custom_post_pass``, on
 the backward graph AOTAutograd has partitioned. Turn it off with ``set_gradient_fusion(False)``
 or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
 
@@ -123,6 +130,7 @@ import hashlib
 import operator
 import os
 import pathlib
+from typing import NamedTuple
 
 import torch
 from torch.fx import Graph, Node
@@ -744,42 +752,117 @@ def drop_unread_rstd(graph: Graph) -> int:
     return _rewritten(graph, count, "dropped the unread rstd of %d rmsnorm forward launch(es)")
 
 
-def _plain_add(node: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
-    """``node`` is an ``aten.add.Tensor`` of two tensors (alpha 1) with one user, all of
-    ``dtype`` and of ``like``'s shape and strides."""
-    if not (isinstance(node, Node) and node.op == "call_function" and node.target is torch.ops.aten.add.Tensor):
-        return False
-    if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1 or len(node.users) != 1:
-        return False
+def _contiguous(t: torch.Tensor) -> bool:
+    """Whether ``t``'s strides are provably its shape's contiguous ones (no guard is added)."""
     from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-    for value in (_value(node), *(_value(a) for a in node.args)):
-        if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device != like.device:
+    expected = 1
+    for size, stride in reversed(tuple(zip(t.shape, t.stride()))):
+        if not (statically_known_true(size == 1) or statically_known_true(stride == expected)):
             return False
-        if value.dim() != like.dim() or not all(
-                statically_known_true(a == b) for a, b in zip((*value.shape, *value.stride()),
-                                                              (*like.shape, *like.stride()))):
-            return False
+        expected = expected * size
     return True
 
 
-def _gradient_terms(dy: Node) -> list[Node] | None:
-    """The tensors whose sum ``dy`` is, when it is a plain sum of two or three; else None."""
-    like = _value(dy)
-    if not isinstance(like, torch.Tensor) or like.dtype not in _FUSABLE_DTYPES or not _plain_add(dy, like.dtype, like):
+def _same_rows(value: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
+    """``value`` is a tensor of ``dtype`` on ``like``'s device whose [M, N] rows are where a
+    launch that reads ``like`` looks for them: ``like``'s shape and strides, or both contiguous
+    with ``like``'s element count and last dim (a mixture of experts sums its gradients over
+    [tokens, hidden], which reach the norm viewed as [batch, seq, hidden])."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device != like.device:
+        return False
+    if value.dim() == like.dim() and all(statically_known_true(a == b) for a, b in
+                                         zip((*value.shape, *value.stride()), (*like.shape, *like.stride()))):
+        return True
+    return (value.dim() > 0 and like.dim() > 0 and _contiguous(value) and _contiguous(like)
+            and statically_known_true(value.shape[-1] == like.shape[-1])
+            and statically_known_true(value.numel() == like.numel()))
+
+
+class _Product(NamedTuple):
+    """A product ``a @ b`` that the rewrite computes as a term of its own, from an addmm."""
+
+    a: Node
+    b: Node
+    addmm: Node
+
+
+def _sum_parts(node: object, like: torch.Tensor) -> list | None:
+    """The two tensors ``node`` adds, where it is a plain sum with one user whose operands and
+    result have ``like``'s rows (``_same_rows``) and dtype: an ``aten.add.Tensor`` of two tensors
+    (alpha 1), or an ``aten.addmm`` (alpha and beta 1), Inductor's ``inp + a @ b``, whose
+    product comes back as a ``_Product``. Else None."""
+    if not (isinstance(node, Node) and node.op == "call_function" and len(node.users) == 1):
         return None
-    a, b = dy.args
+    dtype = like.dtype
+    if node.target is torch.ops.aten.add.Tensor:
+        if len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        parts = list(node.args)
+        values = [_value(node), *(_value(a) for a in parts)]
+    elif node.target is torch.ops.aten.addmm.default:
+        if len(node.args) != 3 or node.kwargs.get("alpha", 1) != 1 or node.kwargs.get("beta", 1) != 1:
+            return None
+        inp, a, b = node.args
+        if not all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in (_value(a), _value(b))):
+            return None
+        parts = [inp, _Product(a, b, node)]
+        values = [_value(node), _value(inp)]
+    else:
+        return None
+    return parts if all(_same_rows(v, dtype, like) for v in values) else None
+
+
+def _viewed(dy: Node) -> tuple[Node, list[Node]]:
+    """The node a chain of views (``view``, ``_unsafe_view``, ``reshape``) ends at, where each
+    of them has one user, and the views, from ``dy`` on."""
+    views = []
+    while (dy.op == "call_function" and len(dy.users) == 1 and dy.args and isinstance(dy.args[0], Node)
+           and dy.target in (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+                             torch.ops.aten.reshape.default)):
+        views.append(dy)
+        dy = dy.args[0]
+    return dy, views
+
+
+def _gradient_terms(dy: Node) -> tuple[list, list[Node]] | None:
+    """The tensors (nodes, or ``_Product``s) whose sum ``dy`` is, where it is a plain sum of two
+    or three (``_sum_parts``, through views that keep its rows), with the nodes that the sum
+    takes; else None."""
+    like = _value(dy)
+    if not isinstance(like, torch.Tensor) or like.dtype not in _FUSABLE_DTYPES:
+        return None
+    top, views = _viewed(dy)
+    parts = _sum_parts(top, like)
+    if parts is None:
+        return None
+    a, b = parts
     for inner, other in ((a, b), (b, a)):
-        if _plain_add(inner, like.dtype, like):
-            return [*inner.args, other]
-    return [a, b]
+        inner_parts = _sum_parts(inner, like)
+        if inner_parts is not None:
+            return [*inner_parts, other], [*views, top, inner]
+    return [a, b], [*views, top]
+
+
+def _product_node(graph: Graph, product: _Product) -> Node:
+    """``aten.mm(a, b)`` in place of the addmm that computed ``inp + a @ b``."""
+    with graph.inserting_before(product.addmm):
+        node = graph.call_function(torch.ops.aten.mm.default, (product.a, product.b))
+    value = _fake_call(torch.ops.aten.mm.default, (product.a, product.b), {})
+    if value is not None:
+        node.meta["val"] = value
+    return node
 
 
 def fuse_gradient_sums(graph: Graph) -> int:
     """Hand every plain sum of two or three gradients that feeds only the ``dy`` of one of our
     backward kernels' launches in ``graph`` to the kernel (``launch.summed_gradient_consts``),
-    erasing the adds; returns how many launches now sum their gradient. Leaves every other node
-    as it is."""
+    erasing the sums; returns how many launches now sum their gradient. A sum Inductor has made
+    an ``addmm`` (``inp + a @ b``, where the add's result feeds anything but elementwise ops)
+    becomes ``aten.mm(a, b)``, one of the terms: the addmm's copy of ``inp`` into its output
+    and the product's read of it leave the step. Leaves every other node as it is."""
     from torch_rmsnorm_op.launch import summed_gradient_consts
 
     count = 0
@@ -793,15 +876,15 @@ def fuse_gradient_sums(graph: Graph) -> int:
             continue
         if any(v is dy for k, v in kwargs.items() if k != "DY"):
             continue  # the sum is also another argument of the launch
-        terms = _gradient_terms(dy) if isinstance(dy, Node) else None
-        if terms is None:
+        found = _gradient_terms(dy) if isinstance(dy, Node) else None
+        if found is None:
             continue
+        terms, taken = found
+        terms = [_product_node(graph, t) if isinstance(t, _Product) else t for t in terms]
         kwargs.update(zip(_DY_KEYS, terms))
         _with_constexprs(node, kwargs, summed_gradient_consts(constexprs, len(terms), _value(dy).dtype.itemsize))
-        inner = [a for a in dy.args if isinstance(a, Node) and a not in terms]
-        graph.erase_node(dy)
-        for add in inner:
-            graph.erase_node(add)
+        for gone in taken:  # from dy on: each is read only by the one before it
+            graph.erase_node(gone)
         count += 1
     return _rewritten(graph, count, "summed %d gradient(s) in rmsnorm backward kernels")
 
