@@ -31,10 +31,15 @@ def computation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
+# float64 and complex128 compute in float64, every other dtype in float32 (complex64 too)
+_DEFAULT_EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.complex128: torch.finfo(torch.float64).eps}
+_FP32_EPS = torch.finfo(torch.float32).eps
+
+
 def default_eps(dtype: torch.dtype) -> float:
-    """What ``F.rms_norm`` uses for ``eps=None``: the computation dtype's machine epsilon."""
-    ctype = computation_dtype(dtype)
-    return torch.finfo(torch.float64 if ctype in (torch.float64, torch.complex128) else torch.float32).eps
+    """What ``F.rms_norm`` uses for ``eps=None``: the computation dtype's machine epsilon (a
+    dict lookup: every eager call with ``eps=None`` asks, and ``torch.finfo`` costs more)."""
+    return _DEFAULT_EPS.get(dtype, _FP32_EPS)
 
 
 def rms_norm_forward(
