@@ -773,8 +773,7 @@ def _same_rows(value: object, dtype: torch.dtype, like: torch.Tensor) -> bool:
 
     if not isinstance(value, torch.Tensor) or value.dtype != dtype or value.device != like.device:
         return False
-    if value.dim() == like.dim() and all(statically_known_true(a == b) for a, b in
-                                         zip((*value.shape, *value.stride()), (*like.shape, *like.stride()))):
+    if _same_shape(value, like) and all(statically_known_true(a == b) for a, b in zip(value.stride(), like.stride())):
         return True
     return (value.dim() > 0 and like.dim() > 0 and _contiguous(value) and _contiguous(like)
             and statically_known_true(value.shape[-1] == like.shape[-1])

@@ -31,15 +31,19 @@ def computation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32
 
 
-# float64 and complex128 compute in float64, every other dtype in float32 (complex64 too)
-_DEFAULT_EPS = {torch.float64: torch.finfo(torch.float64).eps, torch.complex128: torch.finfo(torch.float64).eps}
-_FP32_EPS = torch.finfo(torch.float32).eps
+def _computation_eps(dtype: torch.dtype) -> float:
+    return torch.finfo(computation_dtype(dtype)).eps  # a complex dtype's finfo is its real part's
+
+
+# every eager call with eps=None asks; a dict lookup costs less than torch.finfo
+_DEFAULT_EPS = {dtype: _computation_eps(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32,
+                                                             torch.float64, torch.complex64, torch.complex128)}
 
 
 def default_eps(dtype: torch.dtype) -> float:
-    """What ``F.rms_norm`` uses for ``eps=None``: the computation dtype's machine epsilon (a
-    dict lookup: every eager call with ``eps=None`` asks, and ``torch.finfo`` costs more)."""
-    return _DEFAULT_EPS.get(dtype, _FP32_EPS)
+    """What ``F.rms_norm`` uses for ``eps=None``: the computation dtype's machine epsilon."""
+    eps = _DEFAULT_EPS.get(dtype)
+    return _computation_eps(dtype) if eps is None else eps
 
 
 def rms_norm_forward(
