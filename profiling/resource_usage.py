@@ -13,7 +13,10 @@ the launcher's constexprs (masks dropped where the tiles cover x exactly, the lo
 step count, the backward's dweight partials merged in pairs where the launcher would merge
 them, the forward's weight loaded first where ``config.with_early_weight`` would load it on the
 H200). With ``--near`` it also compiles the candidates ``tune.py`` times around the table's
-configuration (``fwd_candidates`` / ``bwd_candidates``). Compiles run in ``--workers``
+configuration (``fwd_candidates`` / ``bwd_candidates``). With ``--terms T`` the backward sums
+T gradient terms, as a compiled graph's launch does (``launch.summed_gradient_consts``;
+``--keep-stages``: at the rung's own stages). Each line gives the shared memory the kernel
+needs (the block's limit on the H100 and H200: 232,448 B). Compiles run in ``--workers``
 processes. Do not set TRITON_INTERPRET.
 
 Float arguments (eps) are fp32, as Triton's launcher types a Python float; ``--float-args fp64``
@@ -23,8 +26,8 @@ instructions besides reading such an argument and converting it to fp32: ``0 fp6
 kernel's arithmetic is fp32 whichever way it is launched.
 
 Run: ``python profiling/resource_usage.py [--jobs bwd:bfloat16:16384,...] [--m M] [--near]
-[--merge] [--float-args fp32|fp64] [--workers W]``; prints one line per configuration, ``table``
-marking the table's.
+[--merge] [--float-args fp32|fp64] [--terms T [--keep-stages]] [--workers W]``; prints one line
+per configuration, ``table`` marking the table's.
 """
 
 from __future__ import annotations
@@ -90,10 +93,12 @@ def row_groups(m: int, cfg: KernelConfig) -> tuple[int, int]:
 
 
 def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.dtype,
-               merge: bool | None = None) -> dict:
+               merge: bool | None = None, terms: int = 1, keep_stages: bool = False) -> dict:
     """The constexprs the launcher passes for ``cfg`` at [m, n] (with a weight, rstd stored, no
     weight offset or rounding; split mode in one launch). ``merge`` None: the dweight partials
-    merged where the launcher would merge them (``launch.merged_partials``)."""
+    merged where the launcher would merge them (``launch.merged_partials``). A backward whose dy
+    sums ``terms`` tensors takes ``launch.summed_gradient_consts``' (``keep_stages``: but the
+    rung's stages)."""
     backward, residual = pass_name.endswith("bwd"), pass_name.startswith("add")
     common = dict(BLOCK_N=cfg.block_n, HAS_WEIGHT=True, LEAD_DIMS=1, WEIGHT_OFFSET=0.0)
     if pass_name == "norm_add_fwd":
@@ -104,10 +109,17 @@ def constexprs(cfg: KernelConfig, pass_name: str, m: int, n: int, dtype: torch.d
             merge = launch.merged_partials(row_groups(m, cfg)[0], m, n, dtype)
         common |= dict(HAS_DRES=residual, STAGES=cfg.stages, MERGE=merge, DY_TERMS=1)
         if cfg.split > 1:
-            return common | dict(SPLIT=cfg.split, PHASE=0, INTERLEAVE=cfg.interleave)
-        return common | dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, PREFETCH=cfg.prefetch,
-                             ACC_ROWS=launch.dweight_acc_rows(cfg, dtype.itemsize), DW_COLUMNS=cfg.dw_columns,
-                             DW_ROWS=1)
+            common |= dict(SPLIT=cfg.split, PHASE=0, INTERLEAVE=cfg.interleave)
+        else:
+            common |= dict(ROWS=cfg.rows, COUNTED_LOOP=cfg.counted_loop, RELOAD=cfg.reload, PREFETCH=cfg.prefetch,
+                           ACC_ROWS=launch.dweight_acc_rows(cfg, dtype.itemsize), DW_COLUMNS=cfg.dw_columns,
+                           DW_ROWS=1)
+        if terms > 1:
+            summed = launch.summed_gradient_consts(common, terms, dtype.itemsize)
+            if keep_stages:
+                summed.pop("STAGES", None)
+            common |= summed
+        return common
     common |= dict(HAS_RESIDUAL=residual, STORE_RSTD=True, ROUND=0)
     if cfg.split > 1:
         return common | dict(SPLIT=cfg.split, PHASE=0, STAGES=cfg.stages, INTERLEAVE=cfg.interleave)
@@ -154,13 +166,15 @@ def specialization(fn, dtype: torch.dtype, ints: dict[str, int], consts: dict,
 
 
 def resource_usage(pass_name: str, dtype: torch.dtype, cfg: KernelConfig, m: int, n: int,
-                   merge: bool | None = None, float_args: str = "fp32") -> tuple[int, int, int]:
-    """(registers per thread, stack bytes per thread: where spills go, fp64 instructions) of one
-    configuration, the first two read from the compiled cubin by Triton's bundled ``cuobjdump``,
-    the last counted in its PTX (``FP64_OP``)."""
+                   merge: bool | None = None, float_args: str = "fp32", terms: int = 1,
+                   keep_stages: bool = False) -> tuple[int, int, int, int]:
+    """(registers per thread, stack bytes per thread: where spills go, fp64 instructions, shared
+    memory bytes) of one configuration, the first two read from the compiled cubin by Triton's
+    bundled ``cuobjdump``, the third counted in its PTX (``FP64_OP``), the last from Triton's
+    metadata."""
     backward = pass_name.endswith("bwd")
     fn = kernel_for(cfg, backward, pass_name == "norm_add_fwd")
-    consts = constexprs(cfg, pass_name, m, n, dtype, merge)
+    consts = constexprs(cfg, pass_name, m, n, dtype, merge, terms, keep_stages)
     ints = int_args(cfg, m, n, pass_name.startswith("add"))
     sig, consts, attrs = specialization(fn, dtype, ints, consts, float_args)
     compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs), target=TARGET,
@@ -171,16 +185,19 @@ def resource_usage(pass_name: str, dtype: torch.dtype, cfg: KernelConfig, m: int
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
     usage = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
-    return int(usage.group(1)), int(usage.group(2)), len(FP64_OP.findall(compiled.asm["ptx"]))
+    return (int(usage.group(1)), int(usage.group(2)), len(FP64_OP.findall(compiled.asm["ptx"])),
+            compiled.metadata.shared)
 
 
 def _line(task: tuple) -> str:
-    job, pass_name, dtype, cfg, table, m, n, merge, float_args = task
-    regs, stack, fp64 = resource_usage(pass_name, dtype, cfg, m, n, merge, float_args)
-    return f"{job} {'table' if table else '     '} {regs:3d} registers, {stack:5d} B stack, {fp64:3d} fp64: {cfg}"
+    job, pass_name, dtype, cfg, table, m, n, merge, float_args, terms, keep_stages = task
+    regs, stack, fp64, shared = resource_usage(pass_name, dtype, cfg, m, n, merge, float_args, terms, keep_stages)
+    return (f"{job} {'table' if table else '     '} {regs:3d} registers, {stack:5d} B stack, {fp64:3d} fp64, "
+            f"{shared:6d} B shared: {cfg}")
 
 
-def tasks(jobs: str, m: int | None, near: bool, merge: bool | None, float_args: str = "fp32") -> list[tuple]:
+def tasks(jobs: str, m: int | None, near: bool, merge: bool | None, float_args: str = "fp32", terms: int = 1,
+          keep_stages: bool = False) -> list[tuple]:
     out = []
     for job in jobs.split(","):
         pass_name, dtype_name, n = job.split(":")
@@ -205,7 +222,7 @@ def tasks(jobs: str, m: int | None, near: bool, merge: bool | None, float_args: 
             except ValueError as e:  # a candidate the configuration class refuses
                 print(f"{job}: no candidates from tune.py: {e}", file=sys.stderr)
         for cfg in dict.fromkeys(cfgs):
-            out.append((job, pass_name, dtype, cfg, cfg == table, rows, n, merge, float_args))
+            out.append((job, pass_name, dtype, cfg, cfg == table, rows, n, merge, float_args, terms, keep_stages))
     return out
 
 
@@ -219,12 +236,16 @@ def main() -> None:
                    help="backward with its dweight partials merged in pairs (default: where the launcher merges)")
     p.add_argument("--float-args", choices=("fp32", "fp64"), default="fp32",
                    help="the type of eps: fp32 as Triton's launcher passes it, fp64 as Inductor's generated code does")
+    p.add_argument("--terms", type=int, default=1, choices=range(1, launch.MAX_DY_TERMS + 1),
+                   help="gradient tensors the backward sums (launch.summed_gradient_consts)")
+    p.add_argument("--keep-stages", action="store_true", help="a summing backward at its rung's stages")
     p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="compile processes")
     args = p.parse_args()
     if not isinstance(kernels._rms_norm_fwd_rows, triton.runtime.JITFunction):
         sys.exit("unset TRITON_INTERPRET: this compiles the kernels for sm_90a")
     print(f"Triton {triton.__version__}, sm_90a")
-    todo = tasks(args.jobs, args.m, args.near, True if args.merge else None, args.float_args)
+    todo = tasks(args.jobs, args.m, args.near, True if args.merge else None, args.float_args, args.terms,
+                 args.keep_stages)
     if args.workers > 1 and len(todo) > 1:
         ctx = multiprocessing.get_context("fork")
         with concurrent.futures.ProcessPoolExecutor(min(args.workers, len(todo)), mp_context=ctx) as pool:

@@ -223,4 +223,30 @@ def test_forward_kernels_compute_in_fp32_when_a_compiled_graph_passes_eps_as_fp6
     rows = [line for line in out.stdout.splitlines() if " table " in line]
     assert [line.split()[0] for line in rows] == jobs, out.stdout
     for line in rows:
-        assert re.search(r" 0 fp64:", line), line
+        assert re.search(r" 0 fp64,", line), line
+
+
+@pytest.mark.parametrize("terms", [3, 5])
+def test_summing_backward_fits_in_shared_memory(terms):
+    """A compiled graph's backward launch that sums gradient terms (a mixture of experts with a
+    shared expert sums 5 at its MLP's norm), with the residual's gradient, at every 2-byte rung
+    from N = 2,048 and the fp32 ones from 4,096, compiled for the H200: the shared memory its
+    row loop's pipeline takes stays within a block's 232,448 B (``launch.summed_gradient_consts``
+    takes fewer stages for a split launch; at its rung's stages the bf16 split launch with 3
+    terms needed 245,804 B, the fp32 one 327,720 B, and failed to launch)."""
+    limit = 232448
+    jobs = [f"add_bwd:bfloat16:{n}" for n in (2048, 4096, 8192, 16384, 65536)]
+    jobs += [f"add_bwd:float32:{n}" for n in (4096, 8192, 16384, 65536)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def shared(jobs, *more):
+        out = subprocess.run([sys.executable, "profiling/resource_usage.py", "--jobs", ",".join(jobs), "--m", "8192",
+                              "--terms", str(terms), *more], capture_output=True, text=True, timeout=300, env=env,
+                             cwd=ROOT)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        rows = [line for line in out.stdout.splitlines() if " table " in line]
+        assert [line.split()[0] for line in rows] == jobs, out.stdout
+        return [int(re.search(r"(\d+) B shared", line).group(1)) for line in rows]
+
+    assert all(0 < b <= limit for b in shared(jobs)), jobs
+    assert all(b > limit for b in shared(["add_bwd:bfloat16:65536", "add_bwd:float32:65536"], "--keep-stages"))

@@ -234,6 +234,23 @@ def test_a_symbolic_row_count_takes_the_rungs_for_many_rows_and_a_wider_weight_i
     assert plan.cfg != forward_config(2048, bf16, m=2048)
 
 
+def test_a_summing_split_launch_keeps_its_pipeline_within_the_one_term_bytes():
+    """A split backward launch that sums gradient terms holds ``STAGES - 1`` rows of x, of each
+    term and of the residual's gradient in shared memory: it takes the most stages whose bytes
+    stay within the one-term launch's, at least 1."""
+    def stages(start, terms, dres):
+        consts = {"SPLIT": 8, "BLOCK_N": 8192, "STAGES": start, "HAS_DRES": dres, "DY_TERMS": 1}
+        return launch.summed_gradient_consts(consts, terms, 2).get("STAGES", start)
+
+    # bf16's rung, stages 4: three rows of x, dy (and the residual's gradient) ahead
+    assert [stages(4, t, True) for t in (2, 3, 4, 5)] == [3, 2, 2, 2]
+    assert [stages(4, t, False) for t in (2, 3, 4, 5)] == [3, 2, 2, 2]
+    # fp32's, stages 3
+    assert [stages(3, t, True) for t in (2, 3, 4, 5)] == [2, 2, 2, 1]
+    assert [stages(3, t, False) for t in (2, 3, 4, 5)] == [2, 2, 1, 1]
+    assert stages(1, 5, True) == 1
+
+
 def test_the_backward_loads_the_next_row_ahead_at_n_4097_to_8192():
     """The rows backward's rung for N = 4,097-8,192 (2- and 4-byte dtypes) holds one row a tile and
     loads the next ahead; a summing launch of it keeps that and its stages. ``prefetch`` is for

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import _torch_compat, dispatch, fusion
+from torch_rmsnorm_op import launch as launch_module
 
 transformers = pytest.importorskip("transformers")
 
@@ -568,7 +569,7 @@ def test_install_sets_both_passes_once():
 
 class _BackwardGraph:
     """A post-grad graph: placeholders with fake values, adds, and a functional launch of one of
-    our backward kernels whose ``DY`` is ``dy``; its unread ``DY2`` and ``DY3`` are None, in the
+    our backward kernels whose ``DY`` is ``dy``; its unread ``DY2`` ... ``DY5`` are None, in the
     kernel side table, where tracing puts a None argument."""
 
     def __init__(self):
@@ -608,7 +609,8 @@ class _BackwardGraph:
         x = self.tensor("x")
         node = self.graph.call_function(_torch_compat.triton_kernel_wrapper_functional(), (), dict(
             kernel_idx=kernel_side_table.add_kernel(getattr(kernels, kernel)),
-            constant_args_idx=kernel_side_table.add_constant_args({"DY2": None, "DY3": None}), grid=[(1, 1, 1)],
+            constant_args_idx=kernel_side_table.add_constant_args(dict.fromkeys(("DY2", "DY3", "DY4", "DY5"))),
+            grid=[(1, 1, 1)],
             tma_descriptor_metadata={}, kwargs={"DY": dy, "X": x, "DY_TERMS": 1, **more}, tensors_to_clone=["DX"]))
         self.graph.output(node)
         return node
@@ -621,26 +623,61 @@ def _adds(graph):
 @pytest.mark.parametrize("kernel", ["_rms_norm_bwd_rows", "_rms_norm_bwd_split"])
 def test_gradient_sums_move_into_the_backward_kernel(kernel):
     """``(a + b) + c`` and ``c + (a + b)`` (q, k, v projections' gradients), ``a + b`` (gate and
-    up): the launch reads the terms, in the order torch added them, and the adds are gone."""
-    for shape in ("chain", "nested", "pair"):
+    up), ``(((a + b) + c) + d) + e`` and ``e + (d + (c + (a + b)))`` (the five of a mixture of
+    experts with a shared expert): the launch reads the terms, in the order torch added them,
+    and the adds are gone."""
+    keys = ("DY", "DY2", "DY3", "DY4", "DY5")
+    for shape in ("chain", "nested", "pair", "five", "five nested"):
         g = _BackwardGraph()
-        a, b, c = (g.tensor(n) for n in "abc")
+        a, b, c, d, e = (g.tensor(n) for n in "abcde")
         if shape == "chain":
-            dy = g.add(g.add(a, b), c)
+            dy, want = g.add(g.add(a, b), c), [a, b, c]
         elif shape == "nested":
-            dy = g.add(c, g.add(a, b))
+            dy, want = g.add(c, g.add(a, b)), [a, b, c]
+        elif shape == "pair":
+            dy, want = g.add(a, b), [a, b]
+        elif shape == "five":
+            dy, want = g.add(g.add(g.add(g.add(a, b), c), d), e), [a, b, c, d, e]
         else:
-            dy = g.add(a, b)
+            dy, want = g.add(e, g.add(d, g.add(c, g.add(a, b)))), [a, b, c, d, e]
         launch = g.launch(dy, kernel)
         assert fusion.fuse_gradient_sums(g.graph) == 1
         args = fusion._constexprs(launch)
-        want = (a, b, c, 3) if shape != "pair" else (a, b, None, 2)
-        assert (args["DY"], args["DY2"], args["DY3"], args["DY_TERMS"]) == want, shape
+        assert [args[k] for k in keys] == want + [None] * (5 - len(want)), shape
+        assert args["DY_TERMS"] == len(want), shape
         # a term is a graph argument only: the side table's entries override the graph's at launch
         table = _torch_compat.constant_args(launch.kwargs["constant_args_idx"])
-        assert table == ({} if shape != "pair" else {"DY3": None}), shape
+        assert table == dict.fromkeys(keys[len(want):]), shape
         assert not _adds(g.graph)
         g.graph.lint()
+
+
+def test_gradient_sums_take_three_terms_of_fp32_gradients():
+    """fp32 gradients: the launch takes three terms of a chain of five (its tiles hold twice a
+    2-byte launch's bytes); the inner sum ``(a + b) + c`` stays in the graph."""
+    g = _BackwardGraph()
+    a, b, c, d, e = (g.tensor(n, dtype=torch.float32) for n in "abcde")
+    inner = g.add(g.add(a, b), c)
+    launch = g.launch(g.add(g.add(inner, d), e))
+    assert fusion.fuse_gradient_sums(g.graph) == 1
+    args = fusion._constexprs(launch)
+    assert [args[k] for k in ("DY", "DY2", "DY3", "DY4")] == [inner, d, e, None] and args["DY_TERMS"] == 3
+    assert len(_adds(g.graph)) == 2
+    g.graph.lint()
+
+
+def test_gradient_sums_take_five_terms_of_a_longer_chain():
+    """Of a chain of six gradients the launch takes five: the inner sum ``a + b`` and the four
+    added after it; ``a + b`` stays in the graph, where Inductor computes it."""
+    g = _BackwardGraph()
+    a, b, c, d, e, f = (g.tensor(n) for n in "abcdef")
+    inner = g.add(a, b)
+    launch = g.launch(g.add(g.add(g.add(g.add(inner, c), d), e), f))
+    assert fusion.fuse_gradient_sums(g.graph) == 1
+    args = fusion._constexprs(launch)
+    assert [args[k] for k in ("DY", "DY2", "DY3", "DY4", "DY5")] == [inner, c, d, e, f]
+    assert args["DY_TERMS"] == 5 and _adds(g.graph) == [inner]
+    g.graph.lint()
 
 
 @pytest.mark.parametrize("block_n,terms,rows,acc_rows,stages,want", [
@@ -650,7 +687,9 @@ def test_gradient_sums_move_into_the_backward_kernel(kernel):
     (2048, 3, 2, 1, 1, (1, 1, 2)),  # and takes 1, prefetched a row ahead, for 3
     (4096, 2, 2, 1, 1, (2, 1, 1)),  # N=4096 likewise
     (4096, 3, 2, 1, 1, (1, 1, 2)),
+    (4096, 5, 2, 1, 1, (1, 1, 2)),  # more terms take the entry of 3
     (8192, 2, 2, 1, 1, (1, 1, 1)),  # N=8192 halves
+    (256, 5, 4, 4, 2, (2, 2, 2)),  # and elsewhere more terms halve as well
     (2048, 2, 1, 1, 1, (1, 1, 1)),  # never more rows than the launch's own (a small M's fewer rows)
 ])
 def test_a_summing_launch_takes_fewer_rows_per_tile(block_n, terms, rows, acc_rows, stages, want):
@@ -659,8 +698,8 @@ def test_a_summing_launch_takes_fewer_rows_per_tile(block_n, terms, rows, acc_ro
     own stages (registers for the terms)."""
     g = _BackwardGraph()
     dy = g.add(g.tensor("a"), g.tensor("b"))
-    if terms == 3:
-        dy = g.add(dy, g.tensor("c"))
+    for name in "cde"[:terms - 2]:
+        dy = g.add(dy, g.tensor(name))
     launch = g.launch(dy, ROWS=rows, ACC_ROWS=acc_rows, BLOCK_N=block_n, STAGES=stages)
     assert fusion.fuse_gradient_sums(g.graph) == 1
     kw = launch.kwargs["kwargs"]
@@ -726,23 +765,25 @@ def test_gradient_sums_inductor_made_addmms_move_into_the_backward_kernel():
     ``inp`` and ``aten.mm(a, b)``, through the views to [batch, seq, hidden], and the addmms and
     views are gone (an addmm copies ``inp`` into its output and its product reads it again)."""
     mm, addmm = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
-    for shape in ("addmm", "viewed sum", "chain"):
+    for shape in ("addmm", "viewed sum", "chain", "chain of four"):
         g = _BackwardGraph()
         e, f = g.tensor("e"), g.tensor("f")
         if shape == "addmm":
             dy, want_terms = g.addmm(e), 2
         elif shape == "viewed sum":
             dy, want_terms = g.call(torch.ops.aten.view.default, g.addmm(g.add(e, f)), [1, 4, 8]), 3
-        else:
+        elif shape == "chain":
             dy, want_terms = g.addmm(g.addmm(e)), 3
+        else:  # a shared expert's: router, gate and up projections, its gate (k = 1)
+            dy, want_terms = g.addmm(g.addmm(g.addmm(g.addmm(e, k=1)))), 5
         launch = g.launch(dy)
         assert fusion.fuse_gradient_sums(g.graph) == 1, shape
         args = fusion._constexprs(launch)
-        terms = [args[k] for k in ("DY", "DY2", "DY3")[:want_terms]]
+        terms = [args[k] for k in ("DY", "DY2", "DY3", "DY4", "DY5")[:want_terms]]
         assert args["DY_TERMS"] == want_terms and terms[0] is e, shape
         if shape == "viewed sum":
             assert terms[1] is f
-        products = terms[1:] if shape == "chain" else terms[-1:]
+        products = terms[1:] if shape.startswith("chain") else terms[-1:]
         assert all(t.target is mm and tuple(t.meta["val"].shape) == (4, 8) for t in products), shape
         assert addmm not in _targets(g.graph) and torch.ops.aten.view.default not in _targets(g.graph), shape
         assert not _adds(g.graph), shape
@@ -1036,24 +1077,29 @@ def test_cuda_compiled_inference_allocates_no_rstd(residual):
 
 
 @pytest.mark.cuda
-def test_cuda_mixture_of_experts_gradients_sum_in_the_backward_kernel(monkeypatch):
-    """A patched Qwen3-MoE compiled with Inductor on CUDA: the router's gradient reaches the MLP
-    norm as Inductor's ``addmm`` of the experts' gradient, which copies that gradient into its
-    output first; with the rewrite on, every layer's MLP norm backward sums the experts' gradient
-    and the router's product, and the step holds no addmm. The loss is the same bits as with the
-    rewrite off, the gradients within a bf16 model's tolerance (the addmm rounds its sum once, the
-    kernel sums the rounded product)."""
+@pytest.mark.parametrize("family", ["Qwen3Moe", "Qwen2Moe"])
+def test_cuda_mixture_of_experts_gradients_sum_in_the_backward_kernel(family, monkeypatch):
+    """A patched mixture of experts compiled with Inductor on CUDA: the router's gradient (and
+    Qwen2-MoE's shared expert's gate and up projections' and its gate's) reaches the MLP norm
+    as Inductor's chain of ``addmm``s onto the experts' gradient, each of which copies its input
+    into its output first; with the rewrite on, every layer's MLP norm backward sums the
+    experts' gradient and the products (2 terms in Qwen3-MoE, 5 in Qwen2-MoE), and none of those
+    addmms is left. The loss is the same bits as with the rewrite off, the gradients within a
+    bf16 model's tolerance (an addmm rounds its sum once, the kernel sums the rounded product)."""
     layers = 2
-    config = transformers.Qwen3MoeConfig(
+    shared = dict(shared_expert_intermediate_size=32) if family == "Qwen2Moe" else dict(head_dim=16)
+    config = getattr(transformers, f"{family}Config")(
         hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa",
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=32, attn_implementation="sdpa",
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **shared)
     torch.manual_seed(0)
-    base = transformers.Qwen3MoeForCausalLM(config).cuda().to(torch.bfloat16).train()  # grouped_mm: 2-byte dtypes
+    base = getattr(transformers, f"{family}ForCausalLM")(config).cuda().to(torch.bfloat16).train()  # grouped_mm: 2-byte
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).cuda()
-    counts = []
-    real = fusion.fuse_gradient_sums
+    counts, terms = [], []
+    real, real_consts = fusion.fuse_gradient_sums, launch_module.summed_gradient_consts
     monkeypatch.setattr(fusion, "fuse_gradient_sums", lambda graph: counts.append(real(graph)) or counts[-1])
+    monkeypatch.setattr(launch_module, "summed_gradient_consts",
+                        lambda consts, n, elem: terms.append(n) or real_consts(consts, n, elem))
     results, codes = [], []
     for enabled in (True, False):
         fusion.set_gradient_fusion(enabled)
@@ -1076,7 +1122,10 @@ def test_cuda_mixture_of_experts_gradients_sum_in_the_backward_kernel(monkeypatc
         codes.append(code)
         # the attention norms' q, k, v sums (but the first layer's, Inductor's) and every MLP norm's
         assert sum(counts) == (2 * layers - 1 if enabled else 0), counts
-    assert "extern_kernels.addmm(" not in codes[0] and "extern_kernels.addmm(" in codes[1]
+    assert sorted(terms) == sorted([3] * (layers - 1) + [5 if family == "Qwen2Moe" else 2] * layers), terms
+    on, off = (code.count("extern_kernels.addmm(") for code in codes)
+    # Qwen2-MoE's q, k and v projections have biases: addmms of the forward, in both graphs
+    assert (on == 0 if family == "Qwen3Moe" else on > 0) and off > on, (on, off)
     (loss_on, grads_on), (loss_off, grads_off) = results
     assert torch.equal(loss_on, loss_off)
     for (name, _), a, b in zip(base.named_parameters(), grads_on, grads_off):

@@ -151,7 +151,7 @@ def test_backward_is_bitwise_deterministic(device, strategy):
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
-@pytest.mark.parametrize("terms", [1, 3])
+@pytest.mark.parametrize("terms", [1, 5])
 @pytest.mark.parametrize("counted", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_backward_bits_do_not_depend_on_loading_a_tile_ahead(device, terms, counted, layout):
@@ -175,7 +175,7 @@ def test_backward_bits_do_not_depend_on_loading_a_tile_ahead(device, terms, coun
 
 
 @pytest.mark.parametrize("strategy", ["rows", "rows-2048", "rows-prefetch", "split"])
-@pytest.mark.parametrize("terms", [2, 3])
+@pytest.mark.parametrize("terms", [2, 3, 5])
 def test_backward_sums_its_gradient_terms(device, strategy, terms):
     """``dy_terms``: the kernel adds the gradient's terms as Inductor's fused sum does (in fp32,
     rounded once to bf16), so dx is the bits of a backward given that sum, with the tile rows
@@ -202,6 +202,32 @@ def test_backward_sums_its_gradient_terms(device, strategy, terms):
         assert torch.equal(dw_terms, dw_sum)
     else:
         torch.testing.assert_close(dw_terms, dw_sum, **few_roundings(torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_summing_split_backward_fits_in_shared_memory(dtype):
+    """The split backward's rung at N = 65,536 (stages 4 in bf16, 3 in fp32) pipelines rows of x,
+    of each gradient term and of the residual's gradient through shared memory: a launch that
+    sums 2 to 5 terms takes fewer stages (``launch.summed_gradient_consts``) and compiles (with
+    the rung's stages, 3 terms in bf16 and 2 in fp32 beside the residual's gradient needed more
+    than the 227 KiB an H100 or H200 block has), and dx is the bits of a launch given the
+    summed gradient."""
+    x = torch.randn(64, 65536, device="cuda", dtype=dtype)
+    w = torch.randn(65536, device="cuda", dtype=dtype)
+    dres = torch.randn_like(x)
+    _, rstd = reference.rms_norm_forward(x, w, EPS)
+    plan = dispatch.backward_plan(x, w, dtype)
+    assert plan.cfg.split > 1 and plan.cfg.stages > 2, plan.cfg
+    for terms in range(2, launch.MAX_DY_TERMS + 1):
+        parts = [torch.randn_like(x) for _ in range(terms)]
+        total = sum(part.float() for part in parts).to(dtype)
+        dxs = []
+        for dy, more in ((total, ()), (parts[0], tuple(parts[1:]))):
+            dx, dw = _poison(x.shape, dtype, x.device), _poison(w.shape, dtype, x.device)
+            launch.backward(plan, dy, x, w, rstd, dx, dw, dres, dy_terms=more)
+            dxs.append(dx)
+        assert not dxs[1].isnan().any() and torch.equal(dxs[0], dxs[1]), terms
 
 
 def test_backward_merges_its_dweight_partials_in_pairs(device, monkeypatch):
@@ -234,7 +260,7 @@ def test_backward_rejects_unlike_gradient_terms(device):
     _, rstd = reference.rms_norm_forward(x, w, EPS)
     plan = dispatch.backward_plan(x, w, dy.dtype)
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    for more in ((dy.double(),), (torch.randn(8, 4, device=device).t(),), (dy, dy, dy)):
+    for more in ((dy.double(),), (torch.randn(8, 4, device=device).t(),), (dy,) * launch.MAX_DY_TERMS):
         with pytest.raises(ValueError, match="dy_terms"):
             launch.backward(plan, dy, x, w, rstd, dx, dw, dy_terms=more)
 

@@ -89,13 +89,15 @@ the same ``pre_grad_custom_pass``.
 the MLP's gate and up projections. Autograd sums their gradients (``add(add(dq, dk), dv)``)
 before the norm's backward reads the sum; stock Inductor fuses that sum into its own norm
 backward, so without this rewrite the patched model would pay a pass over three tensors per
-site that stock does not. Where such a sum of two or three tensors feeds only the ``dy`` of
-our backward kernel (on CUDA, where the compiled graph launches the kernels itself), the pass
-hands the terms to the kernel (``DY``, ``DY2``, ``DY3``, ``DY_TERMS``), which adds them in fp32
-and rounds once to the gradient's dtype, as Inductor computes a sum it fuses, and the adds leave
-the graph: where the terms are tensors the graph materializes anyway (the projections' matmul
-outputs), dx is the same bits as without the rewrite, and dweight too where the summing launch
-keeps its tile's rows; where it takes fewer (``launch.summed_gradient_consts``), dweight's rows
+site that stock does not. Where such a sum of two to five tensors (three in fp32) feeds only
+the ``dy`` of our backward kernel (on CUDA, where the compiled graph launches the kernels
+itself), the pass hands the terms to the kernel (``DY`` ... ``DY5``, ``DY_TERMS``), which adds
+them in fp32, in the order torch adds them, and rounds once to the gradient's dtype, as Inductor
+computes a sum it fuses, and the adds leave the graph: where the terms are tensors the graph
+materializes anyway (the projections' matmul outputs), dx is the same bits as without the
+rewrite (but at N = 256, where a summing tile's half as many rows reduce their sums in another
+order: its last place may differ), and dweight too where the summing launch keeps its tile's
+rows; where it takes fewer (``launch.summed_gradient_consts``), dweight's rows
 are added in another order in fp32, and its one rounding may differ in the last place; a term
 that is itself a pointwise result, which Inductor could have fused into the sum unrounded, is
 rounded to its dtype first (as eager torch rounds it). Only same-dtype terms with the rows dy
@@ -105,7 +107,9 @@ hidden]). A sum Inductor has made an ``addmm`` (``inp + a @ b``: its own post-gr
 fuse the router's or a shared expert's projection gradient with the experts' where the sum feeds
 anything but elementwise ops) counts as one: the kernel takes ``inp`` and ``aten.mm(a, b)``, so
 the addmm's copy of ``inp`` into its output and its second read of it leave the step, and the
-sum is computed as stock Inductor computes it (the product rounded, then added in fp32). The
+sum is computed as stock Inductor computes it (the product rounded, then added in fp32). A mixture
+of experts with a shared expert (Qwen2-MoE, Qwen3-Next) sums five gradients at its MLP's norm: the
+experts', the router's, the shared expert's gate and up projections' and its gate's. The
 pass runs as Inductor's ``post_grad_custom_post_pass``, on
 the backward graph AOTAutograd has partitioned. Turn it off with ``set_gradient_fusion(False)``
 or ``TORCH_RMSNORM_OP_FUSE_GRAD=0``.
@@ -654,7 +658,10 @@ def rewrite_pre_grad(graph: Graph) -> int:
 # --- gradient sums -------------------------------------------------------------------------
 
 _BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_split")
-_DY_KEYS = ("DY", "DY2", "DY3")
+_DY_KEYS = ("DY", "DY2", "DY3", "DY4", "DY5")  # launch.MAX_DY_TERMS
+# The most terms handed to a launch of 4-byte gradients: fp32 tiles hold twice the bytes, and
+# with 4 or 5 terms the N = 8,192 rung spilled 236-292 registers (3 terms: 34-70).
+_FP32_TERMS = 3
 # forward kernel: the rstd outputs it writes under STORE_RSTD
 _RSTD_OUTPUTS = {"_rms_norm_fwd_rows": ("RSTD",), "_rms_norm_fwd_looped": ("RSTD",),
                  "_rms_norm_fwd_split": ("RSTD",), "_rms_norm_fwd_norm_add_rows": ("RSTD", "X_RSTD")}
@@ -827,22 +834,37 @@ def _viewed(dy: Node) -> tuple[Node, list[Node]]:
 
 
 def _gradient_terms(dy: Node) -> tuple[list, list[Node]] | None:
-    """The tensors (nodes, or ``_Product``s) whose sum ``dy`` is, where it is a plain sum of two
-    or three (``_sum_parts``, through views that keep its rows), with the nodes that the sum
-    takes; else None."""
+    """The tensors (nodes, or ``_Product``s) whose sum ``dy`` is, where it is a plain sum
+    (``_sum_parts``, through views that keep its rows), with the nodes that the sum takes; else
+    None. A sum that is itself an operand of the sum is taken apart in turn, up to
+    ``len(_DY_KEYS)`` terms (``_FP32_TERMS`` for fp32), in the order torch adds them (a chain
+    ``((a + b) + c) + d``, as autograd accumulates a tensor's gradients, or Inductor's chain of
+    addmms): the kernel adds the terms from the first on, so the inner sum's terms come first. Of two operands that are
+    both sums, the first is taken apart and the second stays a term (``(a + b) + (c + d)``: a,
+    b and the sum c + d, added as torch adds them)."""
     like = _value(dy)
     if not isinstance(like, torch.Tensor) or like.dtype not in _FUSABLE_DTYPES:
         return None
     top, views = _viewed(dy)
-    parts = _sum_parts(top, like)
-    if parts is None:
+    taken = [*views, top]
+    terms = _sum_parts(top, like)
+    if terms is None:
         return None
+    terms = _inner_first(terms, like)
+    while len(terms) < (len(_DY_KEYS) if like.dtype.itemsize == 2 else _FP32_TERMS):
+        parts = _sum_parts(terms[0], like)
+        if parts is None:
+            break
+        taken.append(terms[0])
+        terms = [*_inner_first(parts, like), *terms[1:]]
+    return terms, taken
+
+
+def _inner_first(parts: list, like: torch.Tensor) -> list:
+    """The two operands of a sum, one that is itself a plain sum first (fp32 addition commutes,
+    so ``c + (a + b)`` is ``(a + b) + c``)."""
     a, b = parts
-    for inner, other in ((a, b), (b, a)):
-        inner_parts = _sum_parts(inner, like)
-        if inner_parts is not None:
-            return [*inner_parts, other], [*views, top, inner]
-    return [a, b], [*views, top]
+    return [b, a] if _sum_parts(a, like) is None and _sum_parts(b, like) is not None else [a, b]
 
 
 def _product_node(graph: Graph, product: _Product) -> Node:
@@ -856,7 +878,7 @@ def _product_node(graph: Graph, product: _Product) -> Node:
 
 
 def fuse_gradient_sums(graph: Graph) -> int:
-    """Hand every plain sum of two or three gradients that feeds only the ``dy`` of one of our
+    """Hand every plain sum of two to five gradients that feeds only the ``dy`` of one of our
     backward kernels' launches in ``graph`` to the kernel (``launch.summed_gradient_consts``),
     erasing the sums; returns how many launches now sum their gradient. A sum Inductor has made
     an ``addmm`` (``inp + a @ b``, where the add's result feeds anything but elementwise ops)

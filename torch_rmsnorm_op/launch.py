@@ -306,18 +306,31 @@ def dweight_column_rows(cfg: KernelConfig, m: int) -> int:
     return max(1, min(next_power_of_2(m), DW_COLUMN_TILE // cfg.dw_columns))
 
 
+# The most tensors a backward launch sums into its gradient (the kernels' DY ... DY5).
+MAX_DY_TERMS = 5
+
+
 def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict:
-    """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 or 3)
-    gradient tensors of ``elem_bytes`` bytes: ``DY_TERMS``, and for the rows kernel the rows per
-    tile and the row loop's stages (``config.BWD_SUMMED``; elsewhere half the rows, at least 1),
+    """The constexprs that change when a backward launch with ``consts`` sums ``terms`` (2 to
+    ``MAX_DY_TERMS``) gradient tensors of ``elem_bytes`` bytes: ``DY_TERMS``, and for the rows
+    kernel the rows per tile and the row loop's stages (``config.BWD_SUMMED``, whose 3-term
+    entry serves more terms; elsewhere half the rows, at least 1),
     which leave registers for the terms' loads; a launch that loads its next tile ahead
-    (``PREFETCH``) keeps its stages. The grid, the rows per group and the dweight
-    partials of the launch stay as they are (the row loop masks a tile that crosses its group's
-    end)."""
+    (``PREFETCH``) keeps its stages. A split launch keeps its chunks and takes fewer stages
+    where it needs to: its pipeline holds ``STAGES - 1`` rows of x, of each term and of the
+    residual's gradient in shared memory, whose bytes stay within the one-term launch's (at
+    N = 65,536 in bf16, stages 4 with five terms and the residual's gradient would need 336 KiB).
+    The grid, the rows per group and the dweight partials of the launch stay as they are (the
+    row loop masks a tile that crosses its group's end)."""
     out = {"DY_TERMS": terms}
+    if "SPLIT" in consts and consts["STAGES"] > 1:
+        tensors = 1 + bool(consts["HAS_DRES"])  # read beside the gradient's terms: x, the residual's gradient
+        stages = 1 + (consts["STAGES"] - 1) * (1 + tensors) // (terms + tensors)
+        if stages != consts["STAGES"]:
+            out["STAGES"] = stages
     if "ROWS" in consts and consts["ROWS"] > 1:
         table = BWD_SUMMED.get(consts["BLOCK_N"]) if elem_bytes == 2 else None
-        rows, stages = table[terms - 2] if table else (consts["ROWS"] // 2, consts["STAGES"])
+        rows, stages = table[min(terms, 3) - 2] if table else (consts["ROWS"] // 2, consts["STAGES"])
         if consts.get("PREFETCH"):  # its loads are already a tile ahead
             stages = consts["STAGES"]
         rows = min(consts["ROWS"], rows)
@@ -339,11 +352,12 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     from the launch's column programs (``cfg.dw_columns``). ``x`` is addressed
     by ``plan.layout``; dy, dx and dres have single-stride rows; rstd holds M contiguous values.
     ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
-    ``dy_terms``: up to two more tensors of dy's dtype and strides; the gradient is then their
-    sum with dy, in fp32, rounded once to dy's dtype (what the backward of a norm whose output
-    feeds several ops receives; ``fusion.fuse_gradient_sums`` passes them)."""
-    if len(dy_terms) > 2 or any(t.dtype != dy.dtype or t.stride() != dy.stride() for t in dy_terms):
-        raise ValueError("dy_terms: at most 2 tensors, of dy's dtype and strides")
+    ``dy_terms``: up to ``MAX_DY_TERMS - 1`` more tensors of dy's dtype and strides; the
+    gradient is then their sum with dy, in fp32, in order, rounded once to dy's dtype (what the
+    backward of a norm whose output feeds several ops receives; ``fusion.fuse_gradient_sums``
+    passes them)."""
+    if len(dy_terms) >= MAX_DY_TERMS or any(t.dtype != dy.dtype or t.stride() != dy.stride() for t in dy_terms):
+        raise ValueError(f"dy_terms: at most {MAX_DY_TERMS - 1} tensors, of dy's dtype and strides")
     cfg, m, n, layout = plan.cfg, plan.m, plan.n, plan.layout
     device = x.device
     groups, rows_per_group = row_groups(m, n, device, cfg)
@@ -366,7 +380,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     # None for the pointers the kernel does not read under its constexprs (see forward)
-    ptrs = [dy, *(*dy_terms, None, None)[:2], x, weight, rstd, dx, dres, partial, flags]
+    ptrs = [dy, *(*dy_terms, *(None,) * MAX_DY_TERMS)[:MAX_DY_TERMS - 1], x, weight, rstd, dx, dres, partial, flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 1 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize, dweight_column_rows(cfg, m) if columns else 1)

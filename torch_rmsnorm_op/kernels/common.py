@@ -96,36 +96,46 @@ def _load_f32(ptrs, mask, POLICY: tl.constexpr):
 
 
 @triton.jit
-def _load_dy(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
-    """The upstream gradient at ``DY + offs``, in DY's dtype: DY's own, or with DY_TERMS 2 or 3
-    the sum of that many terms (DY, DY2, DY3 at the same offsets) as Inductor computes a sum of
+def _load_dy(DY, DY2, DY3, DY4, DY5, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
+    """The upstream gradient at ``DY + offs``, in DY's dtype: DY's own, or with DY_TERMS 2 to 5
+    the sum of that many terms (DY, DY2, ... at the same offsets) as Inductor computes a sum of
     gradients it fuses: in fp32, rounded once to DY's dtype."""
-    dy, dy2, dy3 = _load_terms(DY, DY2, DY3, offs, mask, POLICY, DY_TERMS)
-    return _sum_terms(dy, dy2, dy3, DY_TERMS)
+    dy, dy2, dy3, dy4, dy5 = _load_terms(DY, DY2, DY3, DY4, DY5, offs, mask, POLICY, DY_TERMS)
+    return _sum_terms(dy, dy2, dy3, dy4, dy5, DY_TERMS)
 
 
 @triton.jit
-def _load_terms(DY, DY2, DY3, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
+def _load_terms(DY, DY2, DY3, DY4, DY5, offs, mask, POLICY: tl.constexpr, DY_TERMS: tl.constexpr):
     """The ``DY_TERMS`` gradient terms at ``offs`` as loaded (0 where masked), unsummed; the
     terms past ``DY_TERMS`` are DY's values again, for ``_sum_terms`` to leave."""
     dy = tl.load(DY + offs, mask=mask, other=0.0, eviction_policy=POLICY)
     dy2 = dy
     dy3 = dy
+    dy4 = dy
+    dy5 = dy
     if DY_TERMS > 1:
         dy2 = tl.load(DY2 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
     if DY_TERMS > 2:
         dy3 = tl.load(DY3 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
-    return dy, dy2, dy3
+    if DY_TERMS > 3:
+        dy4 = tl.load(DY4 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    if DY_TERMS > 4:
+        dy5 = tl.load(DY5 + offs, mask=mask, other=0.0, eviction_policy=POLICY)
+    return dy, dy2, dy3, dy4, dy5
 
 
 @triton.jit
-def _sum_terms(dy, dy2, dy3, DY_TERMS: tl.constexpr):
-    """``dy``, or the sum of ``DY_TERMS`` (2 or 3) terms of one dtype as Inductor computes a sum of
-    gradients it fuses: in fp32, rounded once to their dtype."""
+def _sum_terms(dy, dy2, dy3, dy4, dy5, DY_TERMS: tl.constexpr):
+    """``dy``, or the sum of ``DY_TERMS`` (2 to 5) terms of one dtype as Inductor computes a sum
+    of gradients it fuses: in fp32, in order, rounded once to their dtype."""
     if DY_TERMS > 1:
         total = dy.to(tl.float32) + dy2.to(tl.float32)
         if DY_TERMS > 2:
             total += dy3.to(tl.float32)
+        if DY_TERMS > 3:
+            total += dy4.to(tl.float32)
+        if DY_TERMS > 4:
+            total += dy5.to(tl.float32)
         dy = total.to(dy.dtype)
     return dy
 

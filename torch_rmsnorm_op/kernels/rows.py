@@ -45,8 +45,8 @@ def _accumulate(acc, tile, ACC_ROWS: tl.constexpr):
 
 
 @triton.jit
-def _dweight_columns(DY, DY2, DY3, X, RSTD, DW, M, N, block, x_size1, x_size2, x_stride0, x_stride1, x_stride2,
-                     dy_stride, DW_COLUMNS: tl.constexpr, DW_ROWS: tl.constexpr, LEAD_DIMS: tl.constexpr,
+def _dweight_columns(DY, DY2, DY3, DY4, DY5, X, RSTD, DW, M, N, block, x_size1, x_size2, x_stride0, x_stride1,
+                     x_stride2, dy_stride, DW_COLUMNS: tl.constexpr, DW_ROWS: tl.constexpr, LEAD_DIMS: tl.constexpr,
                      DY_TERMS: tl.constexpr):
     """dweight for columns ``block * DW_COLUMNS`` on: the sum over all M rows of dy * x * rstd,
     ``DW_ROWS`` rows a step (fixed order), written in DW's dtype."""
@@ -59,7 +59,8 @@ def _dweight_columns(DY, DY2, DY3, X, RSTD, DW, M, N, block, x_size1, x_size2, x
         mask = row_mask[:, None] & col_mask[None, :]
         x_rows = _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)
         x = _load_f32(X + x_rows[:, None] + cols[None, :], mask, "")
-        dy = _load_dy(DY, DY2, DY3, rows[:, None] * dy_stride + cols[None, :], mask, "", DY_TERMS).to(tl.float32)
+        dy = _load_dy(DY, DY2, DY3, DY4, DY5, rows[:, None] * dy_stride + cols[None, :], mask, "",
+                      DY_TERMS).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
         acc += dy * x * rstd[:, None]
     tl.store(DW + cols, tl.sum(acc, axis=0).to(DW.dtype.element_ty), mask=col_mask)
@@ -203,16 +204,17 @@ def _rms_norm_fwd_norm_add_rows(
 
 
 @triton.jit
-def _load_tile(X, DY, DY2, DY3, RSTD, rows, row_end, cols, col_mask, x_size1, x_size2, x_stride0, x_stride1,
-               x_stride2, dy_stride, LEAD_DIMS: tl.constexpr, DY_TERMS: tl.constexpr):
+def _load_tile(X, DY, DY2, DY3, DY4, DY5, RSTD, rows, row_end, cols, col_mask, x_size1, x_size2, x_stride0,
+               x_stride1, x_stride2, dy_stride, LEAD_DIMS: tl.constexpr, DY_TERMS: tl.constexpr):
     """Rows ``rows`` of x and of each dy term, in their own dtypes (0 past ``row_end``), and their rstd."""
     row_mask = rows < row_end
     mask = row_mask[:, None] & col_mask[None, :]
     x = tl.load(X + _row_offset(rows, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS)[:, None]
                 + cols[None, :], mask=mask, other=0.0)
-    dy, dy2, dy3 = _load_terms(DY, DY2, DY3, rows[:, None] * dy_stride + cols[None, :], mask, "", DY_TERMS)
+    dy, dy2, dy3, dy4, dy5 = _load_terms(DY, DY2, DY3, DY4, DY5, rows[:, None] * dy_stride + cols[None, :], mask,
+                                         "", DY_TERMS)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-    return x, dy, dy2, dy3, rstd
+    return x, dy, dy2, dy3, dy4, dy5, rstd
 
 
 @triton.jit
@@ -220,6 +222,8 @@ def _rms_norm_bwd_rows(
     DY,  # upstream gradient [M, N], row stride dy_stride
     DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1, else None)
     DY3,  # (read if DY_TERMS > 2, else None)
+    DY4,  # (read if DY_TERMS > 3, else None)
+    DY5,  # (read if DY_TERMS > 4, else None)
     X,  # forward input [M, N], rows addressed by _row_offset
     W,  # weight [N] (read if HAS_WEIGHT, else None)
     RSTD,  # [M] fp32, saved by the forward
@@ -260,8 +264,8 @@ def _rms_norm_bwd_rows(
     if DW_COLUMNS > 0:
         groups = tl.cdiv(M, rows_per_group)
         if group >= groups:
-            _dweight_columns(DY, DY2, DY3, X, RSTD, DW_PARTIAL, M, N, group - groups, x_size1, x_size2, x_stride0,
-                             x_stride1, x_stride2, dy_stride, DW_COLUMNS, DW_ROWS, LEAD_DIMS, DY_TERMS)
+            _dweight_columns(DY, DY2, DY3, DY4, DY5, X, RSTD, DW_PARTIAL, M, N, group - groups, x_size1, x_size2,
+                             x_stride0, x_stride1, x_stride2, dy_stride, DW_COLUMNS, DW_ROWS, LEAD_DIMS, DY_TERMS)
             return
     # The row groups accumulate dweight partials unless the programs above write it.
     PARTIALS: tl.constexpr = HAS_WEIGHT and DW_COLUMNS == 0
@@ -282,9 +286,9 @@ def _rms_norm_bwd_rows(
     else:
         loop_start, loop_end, base = row_start, row_end, 0
     if PREFETCH:
-        next_x, next_dy, next_dy2, next_dy3, next_rstd = _load_tile(
-            X, DY, DY2, DY3, RSTD, base + loop_start + tl.arange(0, ROWS), row_end, cols, col_mask, x_size1, x_size2,
-            x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
+        next_x, next_dy, next_dy2, next_dy3, next_dy4, next_dy5, next_rstd = _load_tile(
+            X, DY, DY2, DY3, DY4, DY5, RSTD, base + loop_start + tl.arange(0, ROWS), row_end, cols, col_mask, x_size1,
+            x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
     for first in tl.range(loop_start, loop_end, ROWS, num_stages=STAGES):
         rows = base + first + tl.arange(0, ROWS)
         mask = (rows < row_end)[:, None] & col_mask[None, :]
@@ -294,15 +298,16 @@ def _rms_norm_bwd_rows(
         if PREFETCH:
             # The next tile's loads issue before this tile's arithmetic, in its raw dtype: no
             # conversion waits on them until the next iteration.
-            x, dy, dy2, dy3, rstd = next_x, next_dy, next_dy2, next_dy3, next_rstd
-            next_x, next_dy, next_dy2, next_dy3, next_rstd = _load_tile(
-                X, DY, DY2, DY3, RSTD, rows + ROWS, row_end, cols, col_mask, x_size1, x_size2, x_stride0, x_stride1,
-                x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
+            x, dy, dy2, dy3, dy4, dy5, rstd = next_x, next_dy, next_dy2, next_dy3, next_dy4, next_dy5, next_rstd
+            next_x, next_dy, next_dy2, next_dy3, next_dy4, next_dy5, next_rstd = _load_tile(
+                X, DY, DY2, DY3, DY4, DY5, RSTD, rows + ROWS, row_end, cols, col_mask, x_size1, x_size2, x_stride0,
+                x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
             x = x.to(tl.float32)
-            dy = _sum_terms(dy, dy2, dy3, DY_TERMS).to(tl.float32)
+            dy = _sum_terms(dy, dy2, dy3, dy4, dy5, DY_TERMS).to(tl.float32)
         else:
             x = _load_f32(x_ptrs, mask, "evict_last" if RELOAD else "")
-            dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_last" if RELOAD else "", DY_TERMS).to(tl.float32)
+            dy = _load_dy(DY, DY2, DY3, DY4, DY5, dy_offs, mask, "evict_last" if RELOAD else "",
+                          DY_TERMS).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rows < row_end, other=0.0)
         u = dy
         if HAS_WEIGHT:
@@ -314,7 +319,7 @@ def _rms_norm_bwd_rows(
             # Rather than keep x and dy in registers across the row sum (Inductor's loops do
             # the same); another eviction policy, so the compiler cannot merge the loads.
             x = _load_f32(x_ptrs, mask, "evict_first")
-            dy = _load_dy(DY, DY2, DY3, dy_offs, mask, "evict_first", DY_TERMS).to(tl.float32)
+            dy = _load_dy(DY, DY2, DY3, DY4, DY5, dy_offs, mask, "evict_first", DY_TERMS).to(tl.float32)
             u = dy
             if HAS_WEIGHT:
                 u = dy * w[None, :]

@@ -197,12 +197,12 @@ def _rms_norm_fwd_split(
 
 
 @triton.jit
-def _bwd_chunks(X, DY, DY2, DY3, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2,
+def _bwd_chunks(X, DY, DY2, DY3, DY4, DY5, row, mask, offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2,
                 dy_stride, LEAD_DIMS: tl.constexpr, DY_TERMS: tl.constexpr):
     """This program's chunks of x and dy in row ``row``, in their own dtypes."""
     x = tl.load(X + _row_offset(row, x_size1, x_size2, x_stride0, x_stride1, x_stride2, LEAD_DIMS) + offs,
                 mask=mask, other=0.0)
-    dy = _load_dy(DY, DY2, DY3, row * dy_stride + offs, mask, "", DY_TERMS)
+    dy = _load_dy(DY, DY2, DY3, DY4, DY5, row * dy_stride + offs, mask, "", DY_TERMS)
     return x, dy
 
 
@@ -211,6 +211,8 @@ def _rms_norm_bwd_split(
     DY,  # upstream gradient [M, N], row stride dy_stride
     DY2,  # more terms of it, [M, N] with DY's strides, summed into it (read if DY_TERMS > 1, else None)
     DY3,  # (read if DY_TERMS > 2, else None)
+    DY4,  # (read if DY_TERMS > 3, else None)
+    DY5,  # (read if DY_TERMS > 4, else None)
     X,  # forward input [M, N], rows addressed by _row_offset
     W,  # weight [N] (read if HAS_WEIGHT, else None)
     RSTD,  # [M] fp32, saved by the forward
@@ -252,10 +254,14 @@ def _rms_norm_bwd_split(
     row_start, step = _group_rows(group, rows_per_group, SPLIT, INTERLEAVE)
     start = chunk * BLOCK_N
     X, DY, DX = X + start, DY + start, DX + start
-    if DY_TERMS > 1:  # else DY2 and DY3 are None (constexprs), as DRES and W where unread
+    if DY_TERMS > 1:  # else DY2 ... DY5 are None (constexprs), as DRES and W where unread
         DY2 = DY2 + start
     if DY_TERMS > 2:
         DY3 = DY3 + start
+    if DY_TERMS > 3:
+        DY4 = DY4 + start
+    if DY_TERMS > 4:
+        DY5 = DY5 + start
     if HAS_DRES:
         DRES = DRES + start
     if HAS_WEIGHT:
@@ -263,8 +269,9 @@ def _rms_norm_bwd_split(
     offs = tl.arange(0, BLOCK_N)
     width = N - start  # of this chunk, may exceed BLOCK_N
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    x0, dy0 = _bwd_chunks(X, DY, DY2, DY3, row_start, _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs,
-                          x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
+    x0, dy0 = _bwd_chunks(X, DY, DY2, DY3, DY4, DY5, row_start,
+                          _chunk_mask(row_start, 0, offs, width, M, rows_per_group), offs, x_size1, x_size2,
+                          x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
     w = 0.0
     if HAS_WEIGHT:
         w = _weight(tl.load(W + offs, mask=offs < width, other=0.0), WEIGHT_OFFSET)
@@ -272,8 +279,9 @@ def _rms_norm_bwd_split(
     for i in tl.range(0, rows_per_group, num_stages=STAGES):
         row = row_start + i * step
         next_row = row + step
-        x1, dy1 = _bwd_chunks(X, DY, DY2, DY3, next_row, _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group),
-                              offs, x_size1, x_size2, x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
+        x1, dy1 = _bwd_chunks(X, DY, DY2, DY3, DY4, DY5, next_row,
+                              _chunk_mask(next_row, i + 1, offs, width, M, rows_per_group), offs, x_size1, x_size2,
+                              x_stride0, x_stride1, x_stride2, dy_stride, LEAD_DIMS, DY_TERMS)
         # published within the group's rows only (past them: another group's row or no slot)
         dot = _exchange(_dot(x1, dy1, w, HAS_WEIGHT), i + 1 < rows_per_group, SLOTS, row, next_row, chunk,
                         SPLIT, PHASE)
