@@ -209,8 +209,8 @@ def test_ours_floor_counts_the_library_kernels_where_they_serve_every_residual_s
 def test_norm_sites_say_what_each_norm_reads_and_feeds():
     """By hand, per site (name, rows, residual add before it, gradient terms): GLM 4's sandwich
     norms (the MLP input norm after the residual add, feeding one fused gate-up projection),
-    EXAONE 4's post norms with q/k norms per head (rows of head_dim) and DeepSeek V3's latent
-    attention and mixture of experts."""
+    EXAONE 4's post norms with q/k norms per head (rows of head_dim), DeepSeek V3's latent
+    attention and mixture of experts, Qwen2-MoE's shared expert."""
     def sites(family):
         spec = mb.ModelSpec(family, hidden=64, layers=2, intermediate=176, heads=4, kv_heads=2, head_dim=16)
         return [(s.name, s.rows, s.residual, s.grad_terms, s.count) for s in mb.norm_sites(spec, 10)]
@@ -230,6 +230,11 @@ def test_norm_sites_say_what_each_norm_reads_and_feeds():
         ("post_attention_layernorm (dense layers)", 10, True, 2, 1),
         ("post_attention_layernorm (experts' layers)", 10, True, 4, 1), ("norm", 10, True, 1, 1),
         ("q_a_layernorm", 10, False, 1, 2), ("kv_a_layernorm", 10, False, 1, 2)]
+    # Qwen2-MoE: a post-attention norm feeds the router, the experts, the shared expert's gate and
+    # up and its gate
+    assert sites("qwen2_moe") == [
+        ("input_layernorm (layer 0)", 10, False, 3, 1), ("input_layernorm (layers 1..)", 10, True, 3, 1),
+        ("post_attention_layernorm", 10, True, 5, 2), ("norm", 10, True, 1, 1)]
 
 
 @pytest.mark.parametrize("family", sorted(mb.FAMILIES))

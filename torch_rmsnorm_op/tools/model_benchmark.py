@@ -122,8 +122,8 @@ What each number is:
   ``matches_reference``: stock within ``TOLERANCES`` of eager; another impl
   within ``TOLERANCES`` of stock, or within twice stock's own distance from
   eager (``judge``: the two compiled models are as far apart as compiling
-  moves a model at all). In a mixture of experts (``mixtral``, ``qwen3_moe``, ``deepseek_v3``,
-  ``qwen3_next``) a rounding that moves one router logit can send a token to another expert,
+  moves a model at all). In a mixture of experts (``mixtral``, ``qwen3_moe``, ``qwen2_moe``,
+  ``deepseek_v3``, ``qwen3_next``) a rounding that moves one router logit can send a token to another expert,
   so compiling alone moves bf16 logits and gradients past those tolerances
   (stock against eager on the H200, 4x2048 tokens: logits 0.11-0.18,
   gradients 0.16-0.22 relative L2); there stock's row is marked as differing
@@ -207,6 +207,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM"),
@@ -228,11 +229,17 @@ FAMILY_CONFIG_OVERRIDES: dict[str, dict] = {
 MOE_FAMILIES: dict[str, tuple[str, str]] = {
     "mixtral": ("num_local_experts", "intermediate_size"),
     "qwen3_moe": ("num_experts", "moe_intermediate_size"),
+    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
     "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
     "qwen3_next": ("num_experts", "moe_intermediate_size"),
 }
 MOE_EXPERTS = 8
 MOE_TOP_K = 2
+# Mixtures of experts with a shared expert as wide as a routed one, scaled by a sigmoid gate of
+# its own (``shared_expert_gate``; Qwen1.5-MoE's and Qwen2-57B-A14B's layers): a post-attention
+# norm's output feeds the router, the experts, the shared expert's gate and up and its gate: five
+# gradient terms.
+SHARED_EXPERT_FAMILIES = frozenset({"qwen2_moe"})
 # Families with DeepSeek V3's layers: multi-head latent attention, whose q and kv pass through
 # low-rank projections normalized on the way (q_a_layernorm, kv_a_layernorm: ranks of 3/4 and 1/4
 # of hidden, DeepSeek V3's 1,536 and 512 at hidden 2,048; each head's q and k of head_dim columns
@@ -368,6 +375,8 @@ class ModelSpec:
         if self.family in MOE_FAMILIES:
             experts_key, width_key = MOE_FAMILIES[self.family]
             kwargs.update({experts_key: MOE_EXPERTS, width_key: self.intermediate, "num_experts_per_tok": MOE_TOP_K})
+        if self.family in SHARED_EXPERT_FAMILIES:
+            kwargs.update(shared_expert_intermediate_size=self.intermediate)
         if self.family in MLA_FAMILIES:
             q_rank, kv_rank = self.mla_ranks()
             # the config's head_dim is the RoPE columns of a head (DeepSeek V3's rotary embedding width)
@@ -424,8 +433,9 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
     and their q/k norms over all heads unless they normalize per head. ``MLA_FAMILIES`` also
     normalize q's and kv's low-rank projections (no residual); their input norms feed two
-    projections, and a post-attention norm of an experts' layer four."""
-    attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
+    projections, and a post-attention norm of an experts' layer four; ``SHARED_EXPERT_FAMILIES``'
+    post-attention norms five."""
+    attention, mlp = PROJECTIONS.get(spec.family, (3, 5 if spec.family in SHARED_EXPERT_FAMILIES else 2))
     if spec.family in POST_NORM_FAMILIES:
         sites = [
             NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
