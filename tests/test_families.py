@@ -75,6 +75,11 @@ FAMILIES = {
                 experts_implementation="batched_mm"), {"llama": 3}, None, True),  # as DeepSeek V3's, above
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
                   moe_intermediate_size=32, experts_implementation="batched_mm"), {"llama": 5}, None, True),
+    # Qwen2-MoE: the experts beside a shared expert scaled by a sigmoid gate of its own, so five
+    # gradients reach each post-attention norm (summed in our backward kernel on CUDA).
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, shared_expert_intermediate_size=32, experts_implementation="batched_mm"),
+                  {"llama": 3}, None, True),
     # Qwen3-Next: Gemma's `1 + weight` norms, a gated norm in its linear-attention layer
     # (forward(hidden_states, gate), Llama's norm then the gate), and q/k norms in its attention layer, the q
     # norm's rows a strided half of each head's projection (q beside its output gate); compiled under Inductor
@@ -217,7 +222,8 @@ def _assert_compiles(model, inputs, want, calls, patched, reference):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
-                                    "qwen3_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h", "bitnet"])
+                                    "qwen3_moe", "qwen2_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h",
+                                    "bitnet"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
