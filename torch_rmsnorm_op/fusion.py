@@ -659,9 +659,6 @@ def rewrite_pre_grad(graph: Graph) -> int:
 
 _BACKWARD_KERNELS = ("_rms_norm_bwd_rows", "_rms_norm_bwd_split")
 _DY_KEYS = ("DY", "DY2", "DY3", "DY4", "DY5")  # launch.MAX_DY_TERMS
-# The most terms handed to a launch of 4-byte gradients: fp32 tiles hold twice the bytes, and
-# with 4 or 5 terms the N = 8,192 rung spilled 236-292 registers (3 terms: 34-70).
-_FP32_TERMS = 3
 # forward kernel: the rstd outputs it writes under STORE_RSTD
 _RSTD_OUTPUTS = {"_rms_norm_fwd_rows": ("RSTD",), "_rms_norm_fwd_looped": ("RSTD",),
                  "_rms_norm_fwd_split": ("RSTD",), "_rms_norm_fwd_norm_add_rows": ("RSTD", "X_RSTD")}
@@ -836,12 +833,14 @@ def _viewed(dy: Node) -> tuple[Node, list[Node]]:
 def _gradient_terms(dy: Node) -> tuple[list, list[Node]] | None:
     """The tensors (nodes, or ``_Product``s) whose sum ``dy`` is, where it is a plain sum
     (``_sum_parts``, through views that keep its rows), with the nodes that the sum takes; else
-    None. A sum that is itself an operand of the sum is taken apart in turn, up to
-    ``len(_DY_KEYS)`` terms (``_FP32_TERMS`` for fp32), in the order torch adds them (a chain
+    None. A sum that is itself an operand of the sum is taken apart in turn, up to the terms a
+    launch of its dtype takes (``launch.max_dy_terms``), in the order torch adds them (a chain
     ``((a + b) + c) + d``, as autograd accumulates a tensor's gradients, or Inductor's chain of
-    addmms): the kernel adds the terms from the first on, so the inner sum's terms come first. Of two operands that are
-    both sums, the first is taken apart and the second stays a term (``(a + b) + (c + d)``: a,
-    b and the sum c + d, added as torch adds them)."""
+    addmms): the kernel adds the terms from the first on, so the inner sum's terms come first.
+    Of two operands that are both sums, the first is taken apart and the second stays a term
+    (``(a + b) + (c + d)``: a, b and the sum c + d, added as torch adds them)."""
+    from torch_rmsnorm_op.launch import max_dy_terms
+
     like = _value(dy)
     if not isinstance(like, torch.Tensor) or like.dtype not in _FUSABLE_DTYPES:
         return None
@@ -851,7 +850,7 @@ def _gradient_terms(dy: Node) -> tuple[list, list[Node]] | None:
     if terms is None:
         return None
     terms = _inner_first(terms, like)
-    while len(terms) < (len(_DY_KEYS) if like.dtype.itemsize == 2 else _FP32_TERMS):
+    while len(terms) < max_dy_terms(like.dtype.itemsize):
         parts = _sum_parts(terms[0], like)
         if parts is None:
             break

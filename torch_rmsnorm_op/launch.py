@@ -308,6 +308,16 @@ def dweight_column_rows(cfg: KernelConfig, m: int) -> int:
 
 # The most tensors a backward launch sums into its gradient (the kernels' DY ... DY5).
 MAX_DY_TERMS = 5
+# The most a compiled graph's launch of 4-byte gradients is handed (fusion.fuse_gradient_sums):
+# fp32 tiles hold twice the bytes, and with 4 or 5 terms the N = 8,192 rung spilled 236-292
+# registers (3 terms: 34-70).
+MAX_DY_TERMS_FP32 = 3
+
+
+def max_dy_terms(elem_bytes: int) -> int:
+    """The most gradient terms ``fusion.fuse_gradient_sums`` hands a backward launch of
+    ``elem_bytes``-byte gradients."""
+    return MAX_DY_TERMS if elem_bytes <= 2 else MAX_DY_TERMS_FP32
 
 
 def summed_gradient_consts(consts: Mapping, terms: int, elem_bytes: int) -> dict:
@@ -380,7 +390,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
         if merge:
             flags = torch.zeros(rows * cfg.split, dtype=torch.int32, device=device)
     # None for the pointers the kernel does not read under its constexprs (see forward)
-    ptrs = [dy, *(*dy_terms, *(None,) * MAX_DY_TERMS)[:MAX_DY_TERMS - 1], x, weight, rstd, dx, dres, partial, flags]
+    ptrs = [dy, *dy_terms, *(None,) * (MAX_DY_TERMS - 1 - len(dy_terms)), x, weight, rstd, dx, dres, partial, flags]
     strides = [*layout[1:], row_stride(dy), row_stride(dx), 1 if dres is None else row_stride(dres)]
     consts = _backward_consts(cfg, has_weight, dres is not None, layout.dims, merge, plan.weight_offset,
                               x.dtype.itemsize, dweight_column_rows(cfg, m) if columns else 1)

@@ -277,7 +277,9 @@ POST_NORM_FAMILIES = frozenset({"olmo2", "olmo3", "exaone4"})
 # The projections an attention input norm's and an MLP input norm's output feed, where not
 # (q, k, v) and (gate, up): one fused qkv_proj / gate_up_proj each. A norm's backward receives
 # the sum of their gradients.
-PROJECTIONS: dict[str, tuple[int, int]] = {"phi3": (1, 1), "glm4": (3, 1)}
+# ``SHARED_EXPERT_FAMILIES``' MLP input norm feeds five (the router, the experts, the shared
+# expert's gate and up and its gate).
+PROJECTIONS: dict[str, tuple[int, int]] = {"phi3": (1, 1), "glm4": (3, 1), "qwen2_moe": (3, 5)}
 
 VOCAB = 32000
 EPS = 1e-6
@@ -433,9 +435,8 @@ def norm_sites(spec: ModelSpec, tokens: int) -> list[NormSite]:
     norms read no residual); ``POST_NORM_FAMILIES`` have those output norms and no input norms,
     and their q/k norms over all heads unless they normalize per head. ``MLA_FAMILIES`` also
     normalize q's and kv's low-rank projections (no residual); their input norms feed two
-    projections, and a post-attention norm of an experts' layer four; ``SHARED_EXPERT_FAMILIES``'
-    post-attention norms five."""
-    attention, mlp = PROJECTIONS.get(spec.family, (3, 5 if spec.family in SHARED_EXPERT_FAMILIES else 2))
+    projections, and a post-attention norm of an experts' layer four."""
+    attention, mlp = PROJECTIONS.get(spec.family, (3, 2))
     if spec.family in POST_NORM_FAMILIES:
         sites = [
             NormSite("post_attention_layernorm", tokens, spec.hidden, False, spec.layers),
