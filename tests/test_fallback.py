@@ -6,7 +6,9 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from checks import compiling_afresh
+from tolerances import NORM_FP32, grad_tol
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op import dispatch, fallback
@@ -59,17 +61,50 @@ def test_kernel_path_is_counted(device):
     assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
 
 
-@pytest.mark.parametrize("make,reason", [
-    (lambda d: torch.randn(8, 4, device=d).t(), "last dimension is not contiguous"),
-    (lambda d: torch.randn(2, 3, 4, 5, 8, device=d).permute(3, 2, 1, 0, 4), "more than three strides"),
-])
-def test_layout_fallbacks_are_correct(device, make, reason):
+@pytest.mark.parametrize("make", [
+    lambda d: torch.randn(8, 6, device=d).t(),  # a last dim that is not contiguous
+    lambda d: torch.randn(2, 12, 10, device=d).transpose(1, 2).unflatten(-1, (3, 4)),  # conv output, per head
+    lambda d: torch.randn(2, 3, 4, 5, 8, device=d).permute(3, 2, 1, 0, 4),  # more than three strides
+], ids=["transposed", "heads-of-transposed", "four-strides"])
+def test_rows_the_kernels_cannot_address_in_place_are_copied_not_a_fallback(device, make):
+    """The ops run the kernels on a contiguous copy of such rows: the same bits as on
+    ``x.contiguous()``, for every op and both directions, counted as kernel calls."""
     x = make(device)
-    with T.fallback_policy("reference"):
-        y = T.rms_norm(x, (x.shape[-1],))
-    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x, (x.shape[-1],)))
-    (key,) = T.dispatch_stats()["fallback"]
-    assert reason in key
+    n = x.shape[-1]
+    w, r = torch.randn(n, device=device), torch.randn(x.shape, device=device)
+    dy = torch.randn(x.shape, device=device)
+    c = x.contiguous()
+    with T.fallback_policy("error"):
+        for got, want in (
+            (torch.ops.rmsnorm.fwd(x, w, 1e-6), torch.ops.rmsnorm.fwd(c, w, 1e-6)),
+            (torch.ops.rmsnorm.add_fwd(x, r, w, 1e-6), torch.ops.rmsnorm.add_fwd(c, r, w, 1e-6)),
+            (torch.ops.rmsnorm.norm_add_fwd(x, r, w, 1e-6, w, 1e-5), torch.ops.rmsnorm.norm_add_fwd(c, r, w, 1e-6, w, 1e-5)),
+        ):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        rstd = torch.ops.rmsnorm.fwd(c, w, 1e-6)[1]
+        got, want = torch.ops.rmsnorm.bwd(dy, x, w, rstd), torch.ops.rmsnorm.bwd(dy, c, w, rstd)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+        y = T.rms_norm(xg, (n,), wg)
+        grads = torch.autograd.grad(y, (xg, wg), dy)
+    xr, wr = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    want = F.rms_norm(xr, (n,), wr)
+    torch.testing.assert_close(y, want, **NORM_FP32)
+    for a, b in zip(grads, torch.autograd.grad(want, (xr, wr), dy), strict=True):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+    stats = T.dispatch_stats()
+    assert stats["fallback"] == {} and stats["kernel"]["rmsnorm.bwd"] == 3
+    # Compiled (on CUDA the graph holds the copy and the kernels' launches): the same values.
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w: T.rms_norm(x, (n,), w), backend="aot_eager", fullgraph=True)
+    xg, wg = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    with T.fallback_policy("error"):
+        y_compiled = compiled(xg, wg)
+        compiled_grads = torch.autograd.grad(y_compiled, (xg, wg), dy)
+    torch.testing.assert_close(y_compiled, y, **NORM_FP32)
+    for a, b in zip(compiled_grads, grads, strict=True):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+    assert T.dispatch_stats()["fallback"] == {}
 
 
 def test_views_the_kernels_address_need_no_fallback(device):

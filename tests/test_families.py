@@ -119,6 +119,10 @@ FAMILIES = {
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", {}, {"torch": 10}, None, True),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", dict(use_cache=False), {"gemma": 3, "llama*silu(gate)": 1},
                 None, True),
+    # the k norm's rows: the transpose of a short convolution's output, split into heads (copied)
+    "inkling": ("InklingTextConfig", "InklingForCausalLM", dict(
+        swa_head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, d_rel=8, sliding_window_size=16,
+        rel_extent=16), {"llama": 6}, None, True),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="batched_mm"),
         ({"torch": 6}, {"llama": 6}), COHERE_NORM, False),
@@ -190,6 +194,7 @@ def test_family_patched_eager_and_compiled(device, family):
     _assert_close(_outputs_and_grads(lambda **kw: _output(model, **kw), model, inputs), want)
     for h in hooks:
         h.remove()
+    assert T.dispatch_stats()["fallback"] == {}  # every swapped norm ran the kernels, both directions
 
     if compiled:
         _assert_compiles(model, inputs, want, len(calls), len(patched), reference)

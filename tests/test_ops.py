@@ -38,6 +38,8 @@ def mode(request, monkeypatch):
 def _sample(device, dtype, with_weight, layout, requires_grad):
     if layout == "transposed":  # a (B, H, S, D) view of (B, S, H, D): rows over three strides
         x = torch.randn(2, 3, 2, 33, device=device, dtype=dtype).transpose(1, 2)
+    elif layout == "columns":  # a last dim that is not contiguous: the ops copy the rows
+        x = torch.randn(5, 33, 3, device=device, dtype=dtype).transpose(1, 2)
     else:
         x = torch.randn(5, 3, 40 if layout == "strided" else 33, device=device, dtype=dtype)[..., :33]
     x = x.detach().requires_grad_(requires_grad)
@@ -47,10 +49,11 @@ def _sample(device, dtype, with_weight, layout, requires_grad):
 
 def _samples(device, mode, requires_grad=False):
     """(x, weight) pairs. With the table's configurations: every dtype, weight present and
-    absent, contiguous and row-strided rows, and a transposed view per dtype; with a forced
-    mode, two of them (its code paths do not depend on the dtype)."""
+    absent, contiguous and row-strided rows, a transposed view per dtype, and rows whose last
+    dim is not contiguous; with a forced mode, two of them (its code paths do not depend on the
+    dtype)."""
     if mode == "table":
-        grid = [(*c, "transposed") for c in itertools.product(DTYPES, (True,))]
+        grid = [(*c, "transposed") for c in itertools.product(DTYPES, (True,))] + [(torch.bfloat16, True, "columns")]
         grid += list(itertools.product(DTYPES, (True, False), ("contiguous", "strided")))
     else:
         grid = [(torch.bfloat16, True, "strided"), (torch.float32, False, "transposed")]

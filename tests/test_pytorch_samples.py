@@ -1,7 +1,7 @@
 """``rms_norm`` and ``RMSNorm`` on PyTorch's own test inputs for ``F.rms_norm`` and
 ``nn.RMSNorm``: the OpInfo's samples (outputs and gradients against ``F.rms_norm``), its error
-inputs (an error of the same type and message, raised before any output), and the ModuleInfo's
-constructor and forward inputs. The inputs come from ``torch.testing._internal``, PyTorch's
+inputs (an error of the same type and message, raised before any output), its samples of jagged
+nested tensors, and the ModuleInfo's constructor and forward inputs. The inputs come from ``torch.testing._internal``, PyTorch's
 test material rather than a public API: the tests skip where it does not import or no longer
 names the op."""
 
@@ -75,6 +75,75 @@ def test_rms_norm_raises_as_f_rms_norm_on_the_opinfo_error_inputs(device):
         sample = error.sample_input
         with pytest.raises(error.error_type, match=error.error_regex):
             T.rms_norm(sample.input, *sample.args, **sample.kwargs)
+
+
+def _njt_op_info():
+    nested = pytest.importorskip("torch.testing._internal.opinfo.definitions.nested")
+    infos = [op for op in nested.njt_op_db if op.name == "nn.functional.rms_norm"]
+    if not infos:
+        pytest.skip("this torch's nested OpInfo database has no nn.functional.rms_norm")
+    return infos[0]
+
+
+def _values(t):
+    return t.values() if t.is_nested else t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rms_norm_matches_f_rms_norm_on_the_nested_opinfo_samples(device, dtype):
+    """Jagged nested tensors (3-D and 4-D, with and without cached sequence lengths, with holes
+    between sequences, normalized over one or two trailing dims): the output is a nested tensor
+    of ``F.rms_norm``'s shape, dtype and values, and the gradients of the input and the weight
+    are its. Contiguous ones run the kernels on their values (the "error" policy); those with
+    holes take the reference, counted, whose backward raises as ``F.rms_norm``'s does."""
+    samples = list(_njt_op_info().sample_inputs(device, dtype, requires_grad=True))
+    assert samples
+    for sample in samples:
+        x, holes = sample.input, sample.input.lengths() is not None
+        want = F.rms_norm(x, **sample.kwargs)
+        got_x = _leaf(x)
+        kwargs = {k: _leaf(v) for k, v in sample.kwargs.items()}
+        with T.fallback_policy("reference" if holes else "error"):
+            got = T.rms_norm(got_x, **kwargs)
+        assert got.is_nested and (got.dtype, got.shape) == (want.dtype, want.shape), sample.name
+        torch.testing.assert_close(got.values(), want.values(), **TOL[dtype], msg=lambda m, s=sample: f"{s.name}: {m}")
+        grad_out = torch.randn_like(want.values())
+        wanted = [x, sample.kwargs["weight"]]
+        try:
+            want_grads = torch.autograd.grad(want.values(), wanted, grad_out)
+        except RuntimeError as stock_error:  # torch's nested sum over the ragged dim, with holes
+            with pytest.raises(type(stock_error)):
+                torch.autograd.grad(got.values(), [got_x, kwargs["weight"]], grad_out)
+            continue
+        for g, w in zip(torch.autograd.grad(got.values(), [got_x, kwargs["weight"]], grad_out), want_grads,
+                        strict=True):
+            torch.testing.assert_close(_values(g), _values(w), **grad_tol(dtype),
+                                       msg=lambda m, s=sample: f"{s.name} (grad): {m}")
+    stats = T.dispatch_stats()
+    assert stats["kernel"]["rmsnorm.fwd"] > 0
+    assert all("holes" in reason for reason in stats["fallback"]), stats
+
+
+def test_nested_tensors_raise_as_f_rms_norm_and_compile(device):
+    """Normalizing over the ragged dim raises F.rms_norm's error; a compiled call on a jagged
+    nested tensor (fullgraph) gives F.rms_norm's values and gradients; ``add_rms_norm`` adds
+    nested tensors as torch does."""
+    x = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged, device=device,
+                                   requires_grad=True)
+    w = torch.rand(8, device=device, requires_grad=True)
+    with pytest.raises(ValueError, match="Normalization over the ragged dim not supported for nested tensors"):
+        T.rms_norm(x, x.shape[1:])
+    with T.fallback_policy("error"):
+        got = torch.compile(lambda x, w: T.rms_norm(x, (8,), w), backend="aot_eager", fullgraph=True)(x, w)
+        y, s = T.add_rms_norm(x, x, (8,), w)
+    want = F.rms_norm(x, (8,), w)
+    torch.testing.assert_close(got.values(), want.values(), **TOL[torch.float32])
+    grad_out = torch.randn_like(want.values())
+    for g, w_ in zip(torch.autograd.grad(got.values(), (x, w), grad_out),
+                     torch.autograd.grad(want.values(), (x, w), grad_out), strict=True):
+        torch.testing.assert_close(_values(g), _values(w_), **grad_tol(torch.float32))
+    torch.testing.assert_close(s.values(), 2 * x.values())
+    torch.testing.assert_close(y.values(), F.rms_norm(2 * x, (8,), w).values(), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

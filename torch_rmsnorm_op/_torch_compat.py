@@ -21,7 +21,10 @@ the job. Checked on torch 2.11 and 2.13.
 - ``aot_compiling()``: whether AOTInductor is compiling a package (Inductor's
   ``V.aot_compilation``), where a CPU graph cannot keep an op that calls back into Python;
 - ``inductor_cache_dir()``: Inductor's on-disk cache directory, where its kernels and their
-  autotuned configurations (``*.best_config``) are kept.
+  autotuned configurations (``*.best_config``) are kept;
+- ``jagged_layout(t)``: a jagged nested tensor's ragged dim and its cached sequence lengths,
+  which ``torch.nested.nested_tensor_from_jagged`` takes back when ``rms_norm`` rewraps its
+  normalized values.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "dispatcher_has_nothing_to_do",
     "functorch_transform",
     "inductor_cache_dir",
+    "jagged_layout",
     "recording_graph",
     "register_triton_kernels",
     "traced_triton_kernel",
@@ -135,3 +139,9 @@ def inductor_cache_dir() -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return cache_dir()
+
+
+def jagged_layout(t: torch.Tensor) -> tuple[int, int | None, int | None]:
+    """A jagged nested tensor's ragged dim and its cached minimum and maximum sequence lengths
+    (None where not cached)."""
+    return t._ragged_idx, t._maybe_min_seqlen, t._maybe_max_seqlen

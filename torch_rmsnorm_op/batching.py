@@ -9,8 +9,7 @@ a batch of output gradients.
 The ops normalize over the last dim and treat every leading dim as more rows, so a batch dim is
 just more rows: each rule moves the batch dims to the front, expands the unbatched operands to
 the batch (a view) and calls the op once on all rows. Where the kernels cannot address such a
-view's rows but can a contiguous copy's (``dispatch.forward_plan``), the rule passes
-the copy; otherwise the view itself.
+view's rows in place, the op copies them (``dispatch.Plan.copy_rows``).
 
 The weight gradient of a batched backward is per sample: ``dweight[b]`` is the sum over sample
 ``b``'s rows of ``dy * x * rstd``. The kernels sum over all rows of a call, so the rules take
@@ -38,7 +37,6 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import (
-    dispatch,
     ops,  # noqa: F401  (defines the ops the rules are registered on)
     reference,
 )
@@ -58,18 +56,6 @@ def _expanded(t: Tensor | None, dim: int | None, batch_size: int) -> Tensor | No
     if t is None or dim is not None:
         return _batched(t, dim)
     return t.expand(batch_size, *t.shape)
-
-
-def _served(t: Tensor, weight: Tensor | None) -> bool:
-    return t.shape[-1] == 0 or isinstance(dispatch.forward_plan(t, weight), dispatch.Plan)
-
-
-def _rows_for_kernels(t: Tensor, weight: Tensor | None) -> Tensor:
-    """``t``, or its contiguous copy where the kernels serve the copy but not ``t`` itself."""
-    if t.is_contiguous() or _served(t, weight):
-        return t
-    c = t.contiguous()
-    return c if _served(c, weight) else t
 
 
 def _sample(t: Tensor) -> Tensor:
@@ -99,7 +85,7 @@ def _fwd_vmap(info, in_dims, x: Tensor, weight: Tensor | None, eps: float, **kwa
     x_dim, w_dim, _ = in_dims
     x = _expanded(x, x_dim, info.batch_size)
     if w_dim is None:
-        return torch.ops.rmsnorm.fwd(_rows_for_kernels(x, weight), weight, eps, **kwargs), (0, 0)
+        return torch.ops.rmsnorm.fwd(x, weight, eps, **kwargs), (0, 0)
     check_forward_args(_sample(x), _sample(weight.movedim(w_dim, 0)))
     record_fallback("rmsnorm.fwd", _PER_SAMPLE_WEIGHTS)
     return reference.rms_norm_forward(x, _broadcast_weight(weight, w_dim, x.dim()), eps, **kwargs), (0, 0)
@@ -112,7 +98,7 @@ def _bwd_vmap(info, in_dims, dy: Tensor, x: Tensor, weight: Tensor | None, rstd:
     dy_b, x_b, rstd_b = _batched(dy, dy_dim), _batched(x, x_dim), _batched(rstd, rstd_dim)
     dy_e, x_e, rstd_e = _expanded(dy, dy_dim, size), _expanded(x, x_dim, size), _expanded(rstd, rstd_dim, size)
     if w_dim is None:
-        dx, _ = torch.ops.rmsnorm.bwd(dy_e, _rows_for_kernels(x_e, weight), weight, rstd_e, weight_offset=weight_offset)
+        dx, _ = torch.ops.rmsnorm.bwd(dy_e, x_e, weight, rstd_e, weight_offset=weight_offset)
     else:
         check_backward_args(_sample(dy_e), _sample(x_e), _sample(weight.movedim(w_dim, 0)), _sample(rstd_e))
         record_fallback("rmsnorm.bwd", _PER_SAMPLE_WEIGHTS)
@@ -127,9 +113,7 @@ def _add_fwd_vmap(info, in_dims, x: Tensor, residual: Tensor, weight: Tensor | N
     x_dim, r_dim, w_dim, _ = in_dims
     x, residual = _expanded(x, x_dim, info.batch_size), _expanded(residual, r_dim, info.batch_size)
     if w_dim is None:
-        out = torch.ops.rmsnorm.add_fwd(_rows_for_kernels(x, weight), _rows_for_kernels(residual, weight), weight,
-                                        eps, **kwargs)
-        return out, (0, 0, 0)
+        return torch.ops.rmsnorm.add_fwd(x, residual, weight, eps, **kwargs), (0, 0, 0)
     check_forward_args(_sample(x), _sample(weight.movedim(w_dim, 0)))
     record_fallback("rmsnorm.add_fwd", _PER_SAMPLE_WEIGHTS)
     w = _broadcast_weight(weight, w_dim, x.dim())
@@ -145,8 +129,7 @@ def _add_bwd_vmap(info, in_dims, dy: Tensor, dresidual_out: Tensor | None, resid
                           _expanded(rstd, rstd_dim, size))
     dr_e = _expanded(dresidual_out, dr_dim, size)
     if w_dim is None:
-        dx, _ = torch.ops.rmsnorm.add_bwd(dy_e, dr_e, _rows_for_kernels(ro_e, weight), weight, rstd_e,
-                                          weight_offset=weight_offset)
+        dx, _ = torch.ops.rmsnorm.add_bwd(dy_e, dr_e, ro_e, weight, rstd_e, weight_offset=weight_offset)
     else:
         check_backward_args(_sample(dy_e), _sample(ro_e), _sample(weight.movedim(w_dim, 0)), _sample(rstd_e))
         record_fallback("rmsnorm.add_bwd", _PER_SAMPLE_WEIGHTS)
@@ -162,9 +145,7 @@ def _norm_add_fwd_vmap(info, in_dims, x: Tensor, residual: Tensor, x_weight: Ten
     x_dim, r_dim, xw_dim, _, w_dim, _ = in_dims
     x, residual = _expanded(x, x_dim, info.batch_size), _expanded(residual, r_dim, info.batch_size)
     if xw_dim is None and w_dim is None:
-        out = torch.ops.rmsnorm.norm_add_fwd(_rows_for_kernels(x, x_weight), _rows_for_kernels(residual, weight),
-                                             x_weight, x_eps, weight, eps, **kwargs)
-        return out, (0, 0, 0, 0)
+        return torch.ops.rmsnorm.norm_add_fwd(x, residual, x_weight, x_eps, weight, eps, **kwargs), (0, 0, 0, 0)
     for w, dim in ((x_weight, xw_dim), (weight, w_dim)):
         check_forward_args(_sample(x), None if w is None else _sample(_expanded(w, dim, info.batch_size)))
     record_fallback("rmsnorm.norm_add_fwd", _PER_SAMPLE_WEIGHTS)

@@ -3,9 +3,11 @@
 input; everything else asks them.
 
 Reasons are inputs that are valid but outside the kernels' reach (``fallback.py`` applies the
-policy to them): no Triton-capable device, a dtype other than fp16/bf16/fp32, rows the kernels
-cannot address without a copy, N above ``config.MAX_N``, a split mode the GPU cannot run, a CPU
-graph compiled into an AOTInductor package.
+policy to them): no Triton-capable device, a dtype other than fp16/bf16/fp32, N above
+``config.MAX_N``, a split mode the GPU cannot run, a CPU graph compiled into an AOTInductor
+package. Rows the kernels cannot address in place (a last dim that is not contiguous, leading
+dims over more than three strides) are not a reason: the plan says to copy them
+(``Plan.copy_rows``), and the kernels run on the copy.
 Invalid inputs are not reasons: they raise earlier (``contract.py``). Eager plans are kept
 per input signature (device, dtypes, shape, strides, options), so a repeated call decides
 nothing again; the signature fixes every input of the decision.
@@ -40,6 +42,8 @@ ROUND_CODES = {None: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 0}
 class Plan:
     """How the kernels run one call: the configuration, x's row layout, the sizes, and the
     options fixed at the call (``round_code``, ``weight_offset``, whether rstd is stored).
+    With ``copy_rows`` the kernels cannot address x's rows in place: the caller runs them on
+    ``x.contiguous()``, whose layout ``layout`` is.
     ``launcher`` is filled in by ``launch.py`` for eager forward plans it can replay, and
     ``norm_add_cfg`` by ``launch.forward_norm_add`` (neither is carried by ``dataclasses.replace``
     when it changes ``cfg``: ``norm_add_cfg`` is not an init field)."""
@@ -51,6 +55,7 @@ class Plan:
     round_code: int = 0
     weight_offset: float = 0.0
     store_rstd: bool = True
+    copy_rows: bool = False
     launcher: object = field(default=None, compare=False)
     replay: tuple = field(default=(), compare=False)
     norm_add_cfg: KernelConfig | None = field(default=None, init=False, compare=False)
@@ -128,13 +133,14 @@ def split_mode_serves(x: Tensor) -> bool:
     return _programs_per_row(int(x.shape[-1]), x.dtype) > 1
 
 
-def _layout_reason(x: Tensor) -> tuple[RowLayout | None, str | None]:
+def _rows(x: Tensor) -> tuple[RowLayout, bool]:
+    """x's row layout, and whether the kernels need its rows copied first (then the layout is
+    that of the contiguous copy): a last dim that is not contiguous (the transpose of a
+    convolution's output, ``x.t()``) or leading dims over more than three strides."""
     layout = row_layout(x)
     if layout is not None:
-        return layout, None
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        return None, "x's last dimension is not contiguous"
-    return None, "x's rows need more than three strides to address"
+        return layout, False
+    return RowLayout(1, 1, 1, x.shape[-1], 1, 1), True
 
 
 _PLANS: dict[tuple, Plan | str] = {}
@@ -166,15 +172,13 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
         reason = _reason(x, dtypes)
         if reason is not None:
             return reason
-        layout, reason = _layout_reason(x)
-        if reason is not None:
-            return reason
+        layout, copy_rows = _rows(x)
         sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         n = int(x.shape[-1])
         m = x.numel() // n
         cfg = forward_config(n, sum_dtype, residual is not None, m, None if weight is None else weight.dtype)
         cfg = with_early_weight(fit_to_rows(cfg, m, x.device), m, x.device)
-        return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd)
+        return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd, copy_rows)
 
     if not _is_concrete(x):  # traced: sizes may be symbolic, nothing to keep
         return make()
@@ -191,13 +195,11 @@ def backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, *, we
         reason = _reason(x, (x.dtype, None if weight is None else weight.dtype, dres_dtype, dy_dtype))
         if reason is not None:
             return reason
-        layout, reason = _layout_reason(x)
-        if reason is not None:
-            return reason
+        layout, copy_rows = _rows(x)
         n = int(x.shape[-1])
         m = x.numel() // n
         return Plan(fit_to_rows(backward_config(n, x.dtype, m), m, x.device), layout, m, n,
-                    weight_offset=float(weight_offset))
+                    weight_offset=float(weight_offset), copy_rows=copy_rows)
 
     if not _is_concrete(x):
         return make()

@@ -2,8 +2,9 @@
 
 Fallback reasons are inputs that are valid but outside the kernels' reach
 (``dispatch.py`` decides them): no Triton-capable device, a dtype other than
-fp16/bf16/fp32, rows the kernels cannot address without a copy, N above
-``config.MAX_N``. Invalid inputs are not fallbacks: they raise (``contract.py``).
+fp16/bf16/fp32, N above ``config.MAX_N``, a split mode the GPU cannot run.
+Rows the kernels cannot address in place are copied, not a fallback. Invalid
+inputs are not fallbacks: they raise (``contract.py``).
 
 Policies:
     ``"reference"``  run the PyTorch reference and count it;

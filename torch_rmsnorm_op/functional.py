@@ -74,6 +74,30 @@ def _direct(op: str, run):
     return run()
 
 
+_RAGGED_DIM = "rms_norm(): Normalization over the ragged dim not supported for nested tensors"
+
+
+def _jagged_rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float,
+                     weight_offset: float, norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> Tensor:
+    """``rms_norm`` of a jagged nested tensor (``layout=torch.jagged``, arguments checked) over
+    dims after its ragged one, as ``F.rms_norm`` takes it: its values hold every row
+    (``[total, ..., N]`` where the ragged dim is the first after the batch), normalized as a
+    dense tensor and rewrapped with the input's offsets. Ragged in a later dim (a transposed
+    one), or with holes between its sequences (``lengths`` given), whose values hold rows no
+    sequence has: the reference, which torch's nested ops run, counted as a fallback."""
+    ragged, min_seqlen, max_seqlen = _torch_compat.jagged_layout(input)
+    if len(normalized_shape) > input.dim() - ragged - 1:
+        raise ValueError(_RAGGED_DIM)
+    if ragged != 1 or input.lengths() is not None:
+        record_fallback("rms_norm", f"nested tensor ragged in dim {ragged}" if ragged != 1
+                        else "nested tensor with holes between its sequences")
+        return reference.rms_norm_reference(input, tuple(normalized_shape), weight, eps, weight_offset, norm_dtype,
+                                            out_dtype)
+    values = rms_norm(input.values(), normalized_shape, weight, eps, weight_offset=weight_offset,
+                      norm_dtype=norm_dtype, out_dtype=out_dtype)
+    return torch.nested.nested_tensor_from_jagged(values, input.offsets(), min_seqlen=min_seqlen, max_seqlen=max_seqlen)
+
+
 def rms_norm(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None, *,
     weight_offset: float | None = None, norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -87,7 +111,9 @@ def rms_norm(
     row is rounded to ``norm_dtype`` before the weight multiplies it (Llama casts it back to
     the input dtype first); the weight scales as ``weight + weight_offset`` in fp32 (Gemma's
     ``1 + weight``; None is no offset); the result has ``out_dtype`` (default: the input's
-    dtype)."""
+    dtype).
+
+    A jagged nested tensor is normalized over dims after its ragged one, as by ``F.rms_norm``."""
     shape = check_functional_args(input, normalized_shape, weight)
     # A float default (or a float attribute) would reach torch.compile as a graph input of its
     # own; None, and an int, stay constants.
@@ -106,6 +132,8 @@ def rms_norm(
             record_fallback("rms_norm", transform)
             return reference.rms_norm_reference(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
         direct = _nothing_to_dispatch((input,), weight)
+    if not direct and input.is_nested and input.layout == torch.jagged:  # not a plain tensor: never direct
+        return _jagged_rms_norm(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
     x, w = _flatten(input, shape, weight)
     if direct:  # x and the weight are checked, and real (complex took the reference)
         check_dtype_args(norm_dtype, out_dtype)
@@ -125,7 +153,8 @@ def add_rms_norm(
     """``(rms_norm(input + residual, ...), input + residual)`` in one pass over the rows, backed
     by ``torch.ops.rmsnorm.add_fwd``. The sum is what ``input + residual`` gives (their promoted
     dtype, no broadcasting: residual has input's shape); the norm's default ``eps`` and output
-    dtype are the sum's. Gradients reach both inputs (the sum's own gradient included)."""
+    dtype are the sum's. Gradients reach both inputs (the sum's own gradient included). Jagged
+    nested tensors are added by torch, then normalized as ``rms_norm`` takes them."""
     shape = check_functional_args(input, normalized_shape, weight)
     weight_offset = 0.0 if weight_offset is None else weight_offset
     sum_dtype = torch.promote_types(input.dtype, residual.dtype)
@@ -133,6 +162,10 @@ def add_rms_norm(
         eps = reference.default_eps(sum_dtype)
     else:
         check_eps(eps)
+    if input.is_nested or residual.is_nested:
+        s = input + residual
+        return rms_norm(s, shape, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
+                        out_dtype=out_dtype), s
     x, w = _flatten(input, shape, weight)
     r = residual if len(shape) == 1 else residual.reshape(x.shape)
     direct = False

@@ -92,8 +92,10 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
     """``rmsnorm::fwd`` (``residual`` None) or ``rmsnorm::add_fwd`` on arguments that meet
     their contract: ``(y, residual_out or None, rstd)``. Without ``want_rstd`` (a caller that
     only needs y) the kernels neither allocate nor write rstd and it is None, unless the
-    reference served the call or N is 0. ``traced``: the call is being traced for a compiled
-    graph (launches go through ``wrap_triton``; the decision is counted as the graph's)."""
+    reference served the call or N is 0. Rows the kernels cannot address in place
+    (``Plan.copy_rows``), and a residual whose rows one stride does not address, are copied
+    first. ``traced``: the call is being traced for a compiled graph (launches go through
+    ``wrap_triton``; the decision is counted as the graph's)."""
     op = "rmsnorm.fwd" if residual is None else "rmsnorm.add_fwd"
     n = x.shape[-1]
     sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
@@ -107,6 +109,8 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
             record_fallback(op, plan, compiled=traced)
             return _reference_forward(op, x, weight, eps, weight_offset, norm_dtype, out_dtype, residual, traced)
         record_kernel(op, compiled=traced)
+        if plan.copy_rows:
+            x = x.contiguous()
     y = _like(x, out_dtype or sum_dtype)
     h = None if residual is None else _like(x, sum_dtype)
     rstd = None
@@ -135,6 +139,8 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
     plan = sum_plan = "N = 0"
     if n > 0:
         plan = dispatch.forward_plan(x, x_weight, **keywords)
+        if type(plan) is not str and plan.copy_rows:
+            x = x.contiguous()
         sum_plan = dispatch.forward_plan(residual, weight, x, **keywords)  # x's norm has x's dtype
         reason = plan if type(plan) is str else sum_plan if type(sum_plan) is str else None
         if reason is not None:
@@ -180,7 +186,8 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
              traced: bool = False) -> tuple[Tensor, Tensor | None]:
     """``rmsnorm::bwd`` (``add`` False; x is the forward's input) or ``rmsnorm::add_bwd`` (x is
     the forward's ``residual_out``, ``dresidual_out`` the gradient that reached it, or None) on
-    arguments that meet their contract."""
+    arguments that meet their contract. x's rows are copied where the kernels cannot address
+    them in place (``Plan.copy_rows``), dy's and dresidual_out's where one stride does not."""
     op = "rmsnorm.add_bwd" if add else "rmsnorm.bwd"
     n = x.shape[-1]
     if n > 0:
@@ -193,6 +200,8 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
                     return reference.add_rms_norm_backward(dy, dresidual_out, x, weight, rstd, weight_offset)
                 return reference.rms_norm_backward(dy, x, weight, rstd, weight_offset)
         record_kernel(op, compiled=traced)
+        if plan.copy_rows:
+            x = x.contiguous()
     dx = _like(x, x.dtype)
     dweight = None if weight is None else _like(weight, weight.dtype)
     if x.numel() == 0:
