@@ -250,3 +250,25 @@ def test_summing_backward_fits_in_shared_memory(terms):
 
     assert all(0 < b <= limit for b in shared(jobs)), jobs
     assert all(b > limit for b in shared(["add_bwd:bfloat16:65536", "add_bwd:float32:65536"], "--keep-stages"))
+
+
+def test_family_survey_rows_say_what_each_model_got(device):
+    """``profiling/family_survey.py``: a family the patcher serves matches its unpatched self
+    (compiled training step: logits, gradients, no graph break), a class that does not build
+    and one without an RMSNorm say so, and the table holds a line per model."""
+    sys.path.insert(0, os.path.join(ROOT, "profiling"))
+    try:
+        import family_survey
+    finally:
+        sys.path.remove(os.path.join(ROOT, "profiling"))
+    pytest.importorskip("transformers")
+    llama = family_survey.survey("LlamaForCausalLM", compiled=True)
+    assert llama["status"] == "match" and llama["swapped"] == 5 and llama["graph_breaks"] == 0, llama
+    assert llama["kernel_calls"] > 0
+    missing = family_survey.survey("NotAFamilyForCausalLM")  # no such class in transformers
+    assert missing["status"] == "not built" and "AttributeError" in missing["detail"], missing
+    bart = family_survey.survey("BartForCausalLM")
+    assert bart["status"] == "no norm" and bart["swapped"] == 0, bart
+    table = family_survey._markdown([llama, missing, bart], dict(compile=True, transformers="t", torch="t",
+                                                              device="d", date="x"))
+    assert table.count("\n| ") == 4 and "1 match, 1 no norm, 1 not built" in table
