@@ -69,7 +69,10 @@ def _build(name: str):
             setattr(config, key, 0.0)
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and layer_types:
-        config.layer_types = (layer_types * config.num_hidden_layers)[: config.num_hidden_layers]
+        try:
+            config.layer_types = (layer_types * config.num_hidden_layers)[: config.num_hidden_layers]
+        except AttributeError:  # derived from other attributes in this config
+            pass
     torch.manual_seed(0)
     return cls(config)
 
@@ -98,11 +101,11 @@ def survey(name: str, compiled: bool = False, built=lambda: None) -> dict:
     ids = torch.randint(3, SMALL["vocab_size"], (ROWS, TOKENS), generator=torch.Generator().manual_seed(1))
     try:
         model = _build(name).train(compiled)
+        patched = copy.deepcopy(model)  # before a step leaves state a copy cannot take
         want, want_grads = _step(model, ids, compiled, False)
     except Exception as e:  # noqa: BLE001 (any failure of the family's own code)
         return {**row, "status": "not built", "detail": f"{type(e).__name__}: {e}"[:200]}
     built()
-    patched = copy.deepcopy(model)
     report = T.patch_rmsnorm(patched)
     row.update(swapped=len(report.swapped), reported=len(report.skipped),
                semantics=report.semantics_counts(), reasons=sorted({s.reason for s in report.skipped}))

@@ -1,9 +1,9 @@
 """``rms_norm`` and ``RMSNorm`` on PyTorch's own test inputs for ``F.rms_norm`` and
 ``nn.RMSNorm``: the OpInfo's samples (outputs and gradients against ``F.rms_norm``), its error
 inputs (an error of the same type and message, raised before any output), its samples of jagged
-nested tensors, and the ModuleInfo's constructor and forward inputs. The inputs come from ``torch.testing._internal``, PyTorch's
-test material rather than a public API: the tests skip where it does not import or no longer
-names the op."""
+nested tensors, and the ModuleInfo's constructor and forward inputs. The inputs come from
+``torch.testing._internal``, PyTorch's test material rather than a public API: the tests skip
+where it does not import or no longer names the op."""
 
 import pytest
 import torch
