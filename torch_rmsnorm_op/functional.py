@@ -162,12 +162,6 @@ def add_rms_norm(
         eps = reference.default_eps(sum_dtype)
     else:
         check_eps(eps)
-    if input.is_nested or residual.is_nested:
-        s = input + residual
-        return rms_norm(s, shape, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
-                        out_dtype=out_dtype), s
-    x, w = _flatten(input, shape, weight)
-    r = residual if len(shape) == 1 else residual.reshape(x.shape)
     direct = False
     if input.is_complex() or residual.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("add_rms_norm", f"complex dtype {sum_dtype}")
@@ -180,6 +174,12 @@ def add_rms_norm(
             s = input + residual
             return reference.rms_norm_reference(s, shape, weight, eps, weight_offset, norm_dtype, out_dtype), s
         direct = _nothing_to_dispatch((input, residual), weight)
+    if not direct and (input.is_nested or residual.is_nested):  # not plain tensors: never direct
+        s = input + residual
+        return rms_norm(s, shape, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
+                        out_dtype=out_dtype), s
+    x, w = _flatten(input, shape, weight)
+    r = residual if len(shape) == 1 else residual.reshape(x.shape)
     if direct:
         check_residual_arg(x, r)
         check_dtype_args(norm_dtype, out_dtype, "rmsnorm.add_fwd")
