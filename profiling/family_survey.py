@@ -1,13 +1,16 @@
 """Every transformers causal LM, patched, against itself unpatched.
 
 Each ``*ForCausalLM`` class of the installed transformers is built from its config class's
-defaults shrunk to two layers of width 64 (``SMALL``: the attributes a config has are set,
-dropout off), in fp32, then patched (``patch_rmsnorm``). Its logits on random token ids are
-compared with the unpatched model's under the ``"error"`` fallback policy, so that every norm
-the patcher swapped must run the kernels; with ``--compile``, a training step (forward with
-labels, backward) of the patched model under ``torch.compile`` (Inductor) is compared with the
-unpatched model's eager step, logits and every parameter's gradient, and graph breaks are
-counted (the unpatched model's compiled step is counted too where the patched one breaks).
+defaults shrunk to two layers of width 64 (``SMALL``: the attributes a config has, passed to its
+constructor so that the attributes derived from them follow; ``layer_types`` cut to the two
+layers; a latent-attention config's key/value heads as its query heads; ``OWN``: what a default
+config leaves to checkpoints; dropout off), in fp32, then patched (``patch_rmsnorm``). Its
+logits on random token ids are compared with the unpatched model's under the ``"error"``
+fallback policy, so that every norm the patcher swapped must run the kernels; with
+``--compile``, a training step (forward with labels, backward) of the patched model under
+``torch.compile`` (Inductor) is compared with the unpatched model's eager step, logits and
+every parameter's gradient, and graph breaks are counted (the unpatched model's compiled step
+is counted too where the patched one breaks).
 
 A row's ``status``: ``match``; ``mismatch`` (logits or gradients further apart than ``ATOL``);
 ``error`` (the patched model raised where the unpatched one ran); ``no norm`` (nothing
@@ -38,7 +41,11 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
              kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
              topk_group=1, first_k_dense_replace=1, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-             sliding_window=64, d_model=64, d_ff=96, num_layers=2, num_heads=4, d_kv=16)
+             sliding_window=64, d_model=64, d_ff=96, num_layers=2, num_heads=4, d_kv=16, expand=1,
+             n_shared_experts=1, num_kv_shared_layers=0, index_n_heads=4, index_head_dim=16, n_groups=1)
+OWN = {  # what a family's default config leaves to its checkpoints
+    "Lfm2MoeForCausalLM": dict(layer_types=["conv", "full_attention"]),
+}
 ATOL = dict(logits=1e-3, grads=1e-2)  # fp32 through two layers, a few roundings apart
 ROWS, TOKENS = 2, 12
 BUILT = "built"  # what a model's process prints once the unpatched model ran
@@ -52,21 +59,48 @@ def model_names() -> list[str]:
                   if n.endswith("ForCausalLM") and not n.startswith(("TF", "Flax", "Auto")))
 
 
+def _derived(config, key: str) -> bool:
+    """Whether ``config.key`` is a property derived from other attributes (those are set instead)."""
+    return isinstance(getattr(type(config), config.attribute_map.get(key, key), None), property)
+
+
 def _build(name: str):
     import torch
     import transformers
 
     cls = getattr(transformers, name)
-    config = cls.config_class()
+    default = cls.config_class()
+    small = {}
     for key, value in SMALL.items():
-        if hasattr(config, key):
+        try:
+            if hasattr(default, key) and not _derived(default, key):
+                small[key] = value
+        except (AttributeError, RuntimeError):  # a per-layer attribute of this config: its layers' configs keep theirs
+            pass
+    if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is its rotary part or follows its parts
+        rotary = getattr(default, "head_dim", None) == default.qk_rope_head_dim
+        small.pop("head_dim", None)
+        if rotary:
+            small["head_dim"] = SMALL["qk_rope_head_dim"]
+        if "num_attention_heads" in small:
+            small["num_key_value_heads"] = small["num_attention_heads"]
+    layer_types = getattr(default, "layer_types", None)
+    if isinstance(layer_types, list) and layer_types and "num_hidden_layers" in small and not _derived(
+            default, "layer_types"):
+        n = small["num_hidden_layers"]
+        small["layer_types"] = (layer_types * n)[:n]
+    small.update(OWN.get(name, {}))
+    small.update({key: 0.0 for key, value in default.to_dict().items()
+                  if "dropout" in key and isinstance(value, float)})
+    try:  # through the constructor, so that attributes derived from these follow them
+        config = cls.config_class(**small)
+    except Exception:  # noqa: BLE001 (a value this config's own validation refuses: set what it takes)
+        config = cls.config_class()
+        for key, value in small.items():
             try:
                 setattr(config, key, value)
             except (AttributeError, TypeError, ValueError):  # a derived property of this config
                 pass
-    for key, value in config.to_dict().items():
-        if "dropout" in key and isinstance(value, float):
-            setattr(config, key, 0.0)
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, list) and layer_types:
         try:

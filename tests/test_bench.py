@@ -254,8 +254,9 @@ def test_summing_backward_fits_in_shared_memory(terms):
 
 def test_family_survey_rows_say_what_each_model_got(device):
     """``profiling/family_survey.py``: a family the patcher serves matches its unpatched self
-    (compiled training step: logits, gradients, no graph break), a class that does not build
-    and one without an RMSNorm say so, and the table holds a line per model."""
+    (compiled training step: logits, gradients, no graph break; eager inference for a latent
+    attention family), a class that does not build and one without an RMSNorm say so, and the
+    table holds a line per model."""
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
     try:
         import family_survey
@@ -267,6 +268,9 @@ def test_family_survey_rows_say_what_each_model_got(device):
     assert llama["kernel_calls"] > 0
     missing = family_survey.survey("NotAFamilyForCausalLM")  # no such class in transformers
     assert missing["status"] == "not built" and "AttributeError" in missing["detail"], missing
+    # Latent attention's head sizes follow the shrunk ones through the config's constructor.
+    latent = family_survey.survey("DeepseekV32ForCausalLM")
+    assert latent["status"] == "match" and latent["swapped"] > 0, latent
     bart = family_survey.survey("BartForCausalLM")
     assert bart["status"] == "no norm" and bart["swapped"] == 0, bart
     table = family_survey._markdown([llama, missing, bart], dict(compile=True, transformers="t", torch="t",
