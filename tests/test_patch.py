@@ -235,6 +235,23 @@ def test_swaps_torch_and_llama_style_keeps_parameters(device):
     optimizer.step()  # the optimizer built before the patch updates the live parameters
 
 
+def test_patching_counts_none_of_the_probes_calls(device):
+    """The probes' calls of the kernels are the patcher's, not the user's: ``dispatch_stats``
+    stays as it was (a weightless norm is probed on CPU, which on a CUDA machine without the
+    interpreter is a fallback), and a fallback the user meets afterwards still warns first."""
+    model = nn.Sequential(LlamaStyleRMSNorm(16), nn.RMSNorm(16), WeightlessRMSNorm(), Olmo2StyleRMSNorm(16)).to(device)
+    T.reset_dispatch_stats()
+    report = T.patch_rmsnorm(model)
+    assert len(report.swapped) == 4, report
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    x = torch.randn(3, 16, device=device)
+    with T.fallback_policy("error"):
+        model(x)
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 4} and not T.dispatch_stats()["fallback"]
+    with T.fallback_policy("warn"), pytest.warns(UserWarning, match="falls back"):
+        model(x.double())
+
+
 def test_the_replacement_carries_the_originals_plain_attributes():
     """Code that reads a norm's attributes off the module a model holds still finds them once
     it is swapped (Mamba 2's fused CUDA path passes ``norm.variance_epsilon`` to its kernel):

@@ -86,6 +86,24 @@ def fallback_policy(policy: str) -> Iterator[None]:
         _policy = previous
 
 
+@contextlib.contextmanager
+def probing() -> Iterator[None]:
+    """The library's own calls of the ops inside the block (the patcher's probes of a module,
+    which may run on a device the kernels do not serve): the policy is ``"reference"``, and
+    nothing is counted or warned about, so that ``dispatch_stats`` and the first warning of
+    each reason stay the user's calls'."""
+    global _kernel_calls, _fallback_calls, _compiled, _warned
+    with _lock:
+        kept = _kernel_calls, _fallback_calls, _compiled, _warned
+        _kernel_calls, _fallback_calls, _compiled, _warned = Counter(), Counter(), Counter(), set(_warned)
+    try:
+        with fallback_policy("reference"):
+            yield
+    finally:
+        with _lock:
+            _kernel_calls, _fallback_calls, _compiled, _warned = kept
+
+
 def _counts_as_call_site() -> bool:
     """A decision taken while tracing counts once per call site: in the trace that records the
     graph, not in AOTAutograd's metadata pass over the same forward (which decides alike)."""

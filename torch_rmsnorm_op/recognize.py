@@ -60,7 +60,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from torch_rmsnorm_op import reference
-from torch_rmsnorm_op.fallback import fallback_policy
+from torch_rmsnorm_op.fallback import probing
 from torch_rmsnorm_op.functional import rms_norm
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -516,7 +516,7 @@ def _choose(probes: list[_Probe], candidates: list[tuple[float | None, Semantics
             args, w, want = next((p for p in probes if p[0][0].dtype == own and (p[1] is None or p[1].dtype == own)
                                   and all(a is not None for a in p[0])), probes[0])
             try:
-                with torch.no_grad(), fallback_policy("reference"):
+                with torch.no_grad(), probing():
                     got = kernels(semantics, args, w, eps)
             except Exception as e:
                 return Recognition(None, reason=f"rms_norm failed on the probe: {type(e).__name__}: {e}")
