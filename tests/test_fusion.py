@@ -365,7 +365,8 @@ def test_which_norms_are_left_to_inductor(name, f, left):
     term that is an elementwise result nothing else reads (RoPE's, Granite's scaled branch) or
     a mixture of experts' combined output, or whose input is another elementwise result (a
     cast to another dtype among them) nothing else reads, is replaced by torch ops; the graph
-    computes what it computed before."""
+    computes what it computed before, within a few roundings: the norm's own rounding passes
+    through a projection's sum."""
     x, cos, sin = torch.randn(2, 4, 3, 16), torch.randn(4, 16), torch.randn(4, 16)
     gm, inputs = _graph(f, x, cos, sin)
     want = gm(*inputs)
@@ -374,7 +375,9 @@ def test_which_norms_are_left_to_inductor(name, f, left):
     gm.recompile()
     assert count == (norms if left else 0), name
     assert any(n.target is torch.ops.rmsnorm.fwd for n in gm.graph.nodes) is not left
-    torch.testing.assert_close(gm(*inputs), want, atol=1e-6, rtol=1e-5)
+    got = gm(*inputs)
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want), strict=True):
+        torch.testing.assert_close(a, b, **few_roundings(b.dtype))
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype,norm_dtype,offset,out_dtype", [
