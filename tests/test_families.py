@@ -30,7 +30,7 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
 T5_SMALL = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                 relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
-COHERE_NORM = "computes none of torch, llama, gemma, t5"  # Cohere's LayerNorm subtracts the mean
+COHERE_NORM = "computes none of torch, llama, gemma, t5, centered"  # Cohere's LayerNorm subtracts the mean
 
 # id: (config class, model class, config overrides, semantics counts, skipped reason or None, compiled)
 FAMILIES = {
@@ -126,6 +126,13 @@ FAMILIES = {
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="batched_mm"),
         ({"torch": 6}, {"llama": 6}), COHERE_NORM, False),
+    # MuseSpark's text model: the layers' input norms add their offset to the weight in its own dtype
+    # (centered); its post-feedforward norms scale the input before normalizing it, which no
+    # semantics computes
+    "muse_spark": ("MuseSparkTextConfig", "MuseSparkTextModel", dict(
+        moe_intermediate_size=16, moe_hidden_size=16, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
+        eos_token_id=None, experts_implementation="batched_mm"), {"torch": 5, "centered": 3},
+        "computes none of torch, llama, gemma, t5, centered (closest: gemma", True),
 }
 
 
@@ -145,7 +152,7 @@ def _build(family):
 
 def _output(model, **inputs):
     out = model(**inputs)
-    return out.last_hidden_state if isinstance(model, transformers.T5EncoderModel) else out.logits
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
 
 
 def _inputs(family):
@@ -228,7 +235,7 @@ def _assert_compiles(model, inputs, want, calls, patched, reference):
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
                                     "qwen3_moe", "qwen2_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h",
-                                    "bitnet"])
+                                    "bitnet", "muse_spark"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
@@ -254,6 +261,9 @@ def test_family_under_inductor(device, family):
         elif family == "bitnet":  # the attention's sub-norm stays ours; the MLP's, of relu(gate) ** 2 * up, is
             # left to Inductor, which computes the product in the norm's kernel
             assert calls == {"rmsnorm.add_fwd": 2, "rmsnorm.add_bwd": 2, "rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, calls
+        elif family == "muse_spark":  # each residual gate's sum and the norm after it left to Inductor (as
+            # Granite's); the first layer's input norm, of the embedding norm's output, and the experts' stay ours
+            assert calls == {"rmsnorm.fwd": 2, "rmsnorm.bwd": 2}, T.dispatch_stats()
         elif family == "nemotron_h":  # each block's norm reads its input through a cast that changes nothing:
             # the second and third blocks' and the final norm take their adds (the first's input is the embeddings)
             assert calls == {"rmsnorm.add_fwd": 3, "rmsnorm.add_bwd": 3}, T.dispatch_stats()

@@ -11,7 +11,7 @@ from torch import nn
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
-from torch_rmsnorm_op.recognize import GEMMA, LLAMA, T5, TORCH, recognize
+from torch_rmsnorm_op.recognize import CENTERED, GEMMA, LLAMA, T5, TORCH, recognize
 from torch_rmsnorm_op.tools.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm, TinyLlama
 
 
@@ -96,6 +96,14 @@ class WeightlessRMSNorm(nn.Module):
 
     def forward(self, x):
         return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class CenteredRMSNorm(GemmaStyleRMSNorm):
+    """MuseSpark's text norms: Gemma's, but ``1 + weight`` added in the weight's dtype."""
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight).float()).type_as(x)
 
 
 class T5StyleLayerNorm(LlamaStyleRMSNorm):
@@ -288,16 +296,18 @@ def test_a_module_held_in_several_places_is_swapped_and_restored_at_each(device)
 
 def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     model = nn.Sequential(GemmaStyleRMSNorm(16), LooksLikeLlamaButIsNot(16), Qwen2RMSNorm(16), nn.LayerNorm(16),
-                          Olmo2StyleRMSNorm(16), T5StyleLayerNorm(16), CustomLayerNorm(16)).to(device)
+                          Olmo2StyleRMSNorm(16), T5StyleLayerNorm(16), CustomLayerNorm(16),
+                          CenteredRMSNorm(16)).to(device)
     report = T.patch_rmsnorm(model)
     assert report.swapped == [("0", "GemmaStyleRMSNorm", "gemma"), ("2", "Qwen2RMSNorm", "llama"),
-                              ("4", "Olmo2StyleRMSNorm", "torch"), ("5", "T5StyleLayerNorm", "t5")], report
+                              ("4", "Olmo2StyleRMSNorm", "torch"), ("5", "T5StyleLayerNorm", "t5"),
+                              ("7", "CenteredRMSNorm", "centered")], report
     assert [(name, cls) for name, cls, _ in report.skipped] == [("1", "LooksLikeLlamaButIsNot")]
-    assert "computes none of torch, llama, gemma, t5" in report.skipped[0].reason
+    assert "computes none of torch, llama, gemma, t5, centered" in report.skipped[0].reason
     assert isinstance(model[1], LooksLikeLlamaButIsNot) and isinstance(model[3], nn.LayerNorm)
     assert isinstance(model[6], CustomLayerNorm)
     assert "skipped 1 (LooksLikeLlamaButIsNot)" in str(report) and "swapped 0 (GemmaStyleRMSNorm) as gemma" in str(report)
-    assert report.semantics_counts() == {"gemma": 1, "llama": 1, "torch": 1, "t5": 1}
+    assert report.semantics_counts() == {"gemma": 1, "llama": 1, "torch": 1, "t5": 1, "centered": 1}
 
 
 @pytest.mark.parametrize("module, reason", [
@@ -305,9 +315,9 @@ def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     (BiasRMSNorm(16), "has parameters other than weight (bias)"),
     (nn.Sequential(), None),  # not named like a norm: not examined
     (CustomLayerNorm(16), None),  # another norm: not examined past its structure, not reported
-    (HardCodedEpsRMSNorm(16), "computes none of torch, llama, gemma, t5"),
+    (HardCodedEpsRMSNorm(16), "computes none of torch, llama, gemma, t5, centered"),
     (TrainOnlyScaleRMSNorm(16), "differs between train and eval mode"),
-    (GroupRMSNorm(16), "computes none of torch, llama, gemma, t5"),
+    (GroupRMSNorm(16), "computes none of torch, llama, gemma, t5, centered"),
 ])
 def test_recognition_reasons(device, module, reason):
     found = recognize(module.to(device))
@@ -395,7 +405,14 @@ KWARGS = [
     (GEMMA, bf16, bf16, (1.0, None, None)), (GEMMA, bf16, f32, (1.0, None, None)),
     (T5, bf16, bf16, (0.0, bf16, None)), (T5, f32, bf16, (0.0, bf16, bf16)), (T5, bf16, f32, (0.0, None, f32)),
     (T5, f16, bf16, (0.0, bf16, bf16)), (T5, f32, f32, (0.0, None, None)),
+    (CENTERED, bf16, bf16, (0.0, None, None)), (CENTERED, f32, bf16, (0.0, None, None)),  # offset_weight adds it
 ]
+
+
+def test_centered_semantics_adds_the_offset_in_the_weights_dtype():
+    weight = torch.tensor([0.3, -0.7], dtype=torch.bfloat16)
+    assert torch.equal(CENTERED.offset_weight(weight), 1.0 + weight) and CENTERED.offset_weight(weight).dtype == bf16
+    assert GEMMA.offset_weight(weight) is weight and CENTERED.offset_weight(None) is None
 
 
 @pytest.mark.parametrize("semantics, x_dtype, w_dtype, want", KWARGS)
@@ -403,7 +420,8 @@ def test_semantics_kwargs(semantics, x_dtype, w_dtype, want):
     assert semantics.kwargs(x_dtype, w_dtype) == want
 
 
-@pytest.mark.parametrize("cls", [LlamaStyleRMSNorm, Olmo2StyleRMSNorm, GemmaStyleRMSNorm, T5StyleLayerNorm])
+@pytest.mark.parametrize("cls", [LlamaStyleRMSNorm, Olmo2StyleRMSNorm, GemmaStyleRMSNorm, T5StyleLayerNorm,
+                                 CenteredRMSNorm])
 def test_dtype_change_after_patching_follows_the_original(device, cls):
     """The semantics hold for whatever dtypes arrive: model.to(bf16) after the patch, inputs
     of another dtype than the weight."""

@@ -15,6 +15,8 @@ llama     ``w * n.to(x.dtype)``: output ``promote(w, x)``   Llama and the classe
 gemma     ``(n * (1 + w.float())).type_as(x)``              Gemma, Gemma2, Gemma3, Qwen3.5, Qwen3-Next
 t5        ``w * n.to(w.dtype)`` if w is fp16/bf16, else     T5, mT5, LongT5, UMT5, Pix2Struct, Idefics
           ``w * n`` (in fp32)
+centered  ``(n * (1 + w).float()).type_as(x)``: the         MuseSpark's text layers
+          offset added in the weight's dtype
 ========  ===============================================  ==========================================
 
 The rule (``recognize``): a module is *examined* when it is an ``nn.RMSNorm`` or when
@@ -74,7 +76,9 @@ class Semantics:
     weight's dtype when that is fp16/bf16). ``output``: the result's dtype (``"input"``: x's;
     ``"promote"``: ``promote_types(weight, x)``; ``"half_weight"``: the weight's when fp16/bf16,
     else ``promote_types(weight, x, float32)``). The weight enters as ``weight + weight_offset``,
-    added in fp32; the offset is an int (the families' offsets are), which ``torch.compile``
+    added in fp32 (by the kernels), or, with ``offset_in_weight_dtype``, in the weight's own
+    dtype (by torch, before the call: a bf16 weight's sum is rounded to bf16 as the module
+    rounds it); the offset is an int (the families' offsets are), which ``torch.compile``
     keeps as a constant where it would make a float an input of the graph."""
 
     name: str
@@ -82,12 +86,21 @@ class Semantics:
     weight_offset: int = 0
     norm_rounding: Literal["none", "input", "half_weight"] = "none"
     output: Literal["input", "promote", "half_weight"] = "input"
+    offset_in_weight_dtype: bool = False
+
+    def offset_weight(self, weight: Tensor | None) -> Tensor | None:
+        """The weight the kernels take: ``weight + weight_offset`` in the weight's dtype where
+        the offset is added there, else the weight itself (``kwargs`` then gives the offset)."""
+        if weight is None or not self.offset_in_weight_dtype or not self.weight_offset:
+            return weight
+        return weight + self.weight_offset
 
     def kwargs(self, x_dtype: torch.dtype, weight_dtype: torch.dtype | None
                ) -> tuple[int, torch.dtype | None, torch.dtype | None]:
         """``(weight_offset, norm_dtype, out_dtype)`` for ``rms_norm`` on x of ``x_dtype``; None
         where the argument's default already means it (a rounding to the computation dtype is
-        no rounding), so the common cases keep the default kernel path."""
+        no rounding), so the common cases keep the default kernel path. The offset is 0 where
+        ``offset_weight`` adds it."""
         compute = torch.float64 if x_dtype == torch.float64 else torch.float32
         half_weight = weight_dtype in _HALF
         norm_dtype = None
@@ -104,14 +117,15 @@ class Semantics:
             elif self.output == "half_weight":
                 out_dtype = weight_dtype if half_weight else torch.promote_types(
                     weight_dtype, torch.promote_types(x_dtype, torch.float32))
-        return self.weight_offset, norm_dtype, (None if out_dtype == x_dtype else out_dtype)
+        offset = 0 if self.offset_in_weight_dtype else self.weight_offset
+        return offset, norm_dtype, (None if out_dtype == x_dtype else out_dtype)
 
     def rms_norm(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
                  eps: float | None) -> Tensor:
         """This semantics computed by ``torch_rmsnorm_op.rms_norm`` (the kernels)."""
         offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
-        return rms_norm(x, normalized_shape, weight, eps, weight_offset=offset, norm_dtype=norm_dtype,
-                        out_dtype=out_dtype)
+        return rms_norm(x, normalized_shape, self.offset_weight(weight), eps, weight_offset=offset,
+                        norm_dtype=norm_dtype, out_dtype=out_dtype)
 
     def reference(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
                   eps: float | None) -> Tensor:
@@ -119,7 +133,7 @@ class Semantics:
         offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
         n = math.prod(normalized_shape)
         rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], n)
-        w = None if weight is None else weight.reshape(n)
+        w = None if weight is None else self.offset_weight(weight).reshape(n)
         eps = reference.default_eps(x.dtype) if eps is None else eps
         y, _ = reference.rms_norm_forward(rows, w, eps, offset, norm_dtype, out_dtype)
         return y.view(x.shape)
@@ -132,9 +146,11 @@ GEMMA = Semantics("gemma", "(n * (1 + w.float())).type_as(x): offset weight in f
                   weight_offset=1)
 T5 = Semantics("t5", "w * n.to(w.dtype) for a fp16/bf16 weight, else w * n in fp32",
                norm_rounding="half_weight", output="half_weight")
+CENTERED = Semantics("centered", "(n * (1 + w).float()).type_as(x): offset weight in w's dtype, round once",
+                    weight_offset=1, offset_in_weight_dtype=True)
 # In order of preference: where several agree on every probe (a module without weight, or
 # fp32 throughout) the plainest is chosen.
-SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5)
+SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5, CENTERED)
 SEMANTICS_BY_NAME: dict[str, Semantics] = {s.name: s for s in SEMANTICS}
 
 
