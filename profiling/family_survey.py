@@ -163,7 +163,9 @@ def survey(name: str, compiled: bool = False, built=lambda: None) -> dict:
         return {**row, "status": "error", "detail": detail}
     row["logits_max_abs_diff"] = (got - want).abs().max().item()
     missing = sorted(set(want_grads) - set(got_grads))
-    row["kernel_calls"] = sum(T.dispatch_stats()["kernel"].values())
+    kernels = T.dispatch_stats()["kernel"]
+    row["kernel_calls"] = sum(kernels.values())
+    row["kernels"] = dict(sorted(kernels.items()))  # by op: which norms the compiled graphs fused, and how
     if compiled:
         row["grads_max_abs_diff"] = max(
             [(got_grads[k] - g).abs().max().item() for k, g in want_grads.items() if k in got_grads], default=0.0)
@@ -188,15 +190,17 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Family survey ({'compiled training step' if meta['compile'] else 'eager inference'})", "",
              f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['device']}, {meta['date']}; "
              f"{len(rows)} models: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), "",
-             "| model | status | swapped | reported | semantics | logits diff | grads diff | graph breaks | detail |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | status | swapped | reported | semantics | logits diff | grads diff | graph breaks | kernel calls "
+             "| detail |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         breaks = "" if "graph_breaks" not in r else str(r["graph_breaks"]) + (
             f" (stock {r['stock_graph_breaks']})" if "stock_graph_breaks" in r else "")
         detail = r.get("detail") or "; ".join(r.get("reasons", []))
         diffs = f"{_diff(r, 'logits_max_abs_diff')} | {_diff(r, 'grads_max_abs_diff')}"
+        kernels = ", ".join(f"{op.removeprefix('rmsnorm.')} {n}" for op, n in r.get("kernels", {}).items())
         lines.append(f"| {r['model']} | {r['status']} | {r.get('swapped', '')} | {r.get('reported', '')} | "
-                     f"{r.get('semantics', '')} | {diffs} | {breaks} | {detail.replace('|', '/')[:160]} |")
+                     f"{r.get('semantics', '')} | {diffs} | {breaks} | {kernels} | {detail.replace('|', '/')[:160]} |")
     return "\n".join(lines) + "\n"
 
 
