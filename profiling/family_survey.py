@@ -190,8 +190,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"# Family survey ({'compiled training step' if meta['compile'] else 'eager inference'})", "",
              f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['device']}, {meta['date']}; "
              f"{len(rows)} models: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), "",
-             "| model | status | swapped | reported | semantics | logits diff | grads diff | graph breaks | kernel calls "
-             "| detail |",
+             "| model | status | swapped | reported | semantics | logits diff | grads diff | graph breaks "
+             "| kernel calls | detail |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         breaks = "" if "graph_breaks" not in r else str(r["graph_breaks"]) + (

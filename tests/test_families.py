@@ -30,7 +30,7 @@ SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_la
              num_key_value_heads=2, max_position_embeddings=64, head_dim=8)
 T5_SMALL = dict(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4,
                 relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0)
-COHERE_NORM = "computes none of torch, llama, gemma, t5, centered"  # Cohere's LayerNorm subtracts the mean
+COHERE_NORM = "computes none of torch, llama, gemma, t5, centered, input_scaled"  # Cohere's LayerNorm subtracts the mean
 
 # id: (config class, model class, config overrides, semantics counts, skipped reason or None, compiled)
 FAMILIES = {
@@ -127,12 +127,11 @@ FAMILIES = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="batched_mm"),
         ({"torch": 6}, {"llama": 6}), COHERE_NORM, False),
     # MuseSpark's text model: the layers' input norms add their offset to the weight in its own dtype
-    # (centered); its post-feedforward norms scale the input before normalizing it, which no
-    # semantics computes
+    # (centered); its post-feedforward and experts' output norms scale the input by that weight first
     "muse_spark": ("MuseSparkTextConfig", "MuseSparkTextModel", dict(
         moe_intermediate_size=16, moe_hidden_size=16, num_local_experts=4, num_experts_per_tok=2, bos_token_id=None,
-        eos_token_id=None, experts_implementation="batched_mm"), {"torch": 5, "centered": 3},
-        "computes none of torch, llama, gemma, t5, centered (closest: gemma", True),
+        eos_token_id=None, experts_implementation="batched_mm"), {"torch": 5, "centered": 3, "input_scaled": 2},
+        None, True),
 }
 
 

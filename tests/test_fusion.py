@@ -357,6 +357,8 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
     ("after a gated residual sum cast to its own dtype, then a projection",  # MuseSpark's residual gate
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm((x.flip(0) * 0.5 + x * 0.25).to(x.dtype), (16,), W16),
                                                 PROJ), True),
+    ("a product cast to its own dtype, then a projection",  # MuseSpark's input-scaled norms
+     lambda x, c, s: torch.nn.functional.linear(T.rms_norm((x * W16).to(x.dtype), (16,)), PROJ), True),
     ("after a mixture of experts, then a projection",  # Mixtral's, Qwen3-MoE's
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(
          x.flip(0) + (torch.cat([x, x * 2.0]) * 0.5)[torch.tensor([1, 2, 0, 3])].view(2, 2, 4, 3, 16).sum(1),

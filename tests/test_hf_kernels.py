@@ -130,7 +130,7 @@ def test_layers_decide_per_class(device, mark, fresh_probes):
     messages = [str(w.message) for w in caught if "hf_kernels" in str(w.message)]
     assert len(messages) == 1 and messages[0].startswith(
         f"torch_rmsnorm_op.hf_kernels: {__name__}.DoubledRMSNorm keeps its own forward (its forward, given weight "
-        "and variance_epsilon: computes none of torch, llama, gemma, t5, centered"), messages
+        "and variance_epsilon: computes none of torch, llama, gemma, t5, centered, input_scaled"), messages
     assert hf_kernels._class_semantics(Olmo2RMSNorm, "variance_epsilon") == TORCH.name
     assert hf_kernels._class_semantics(Qwen3_5RMSNorm, "eps") == GEMMA.name
     for semantics, module, ref_module, y in zip((TORCH, None, GEMMA), model, original, got):

@@ -11,7 +11,7 @@ from torch import nn
 
 import torch_rmsnorm_op as T
 from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
-from torch_rmsnorm_op.recognize import CENTERED, GEMMA, LLAMA, T5, TORCH, recognize
+from torch_rmsnorm_op.recognize import CENTERED, GEMMA, INPUT_SCALED, LLAMA, T5, TORCH, recognize
 from torch_rmsnorm_op.tools.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm, TinyLlama
 
 
@@ -104,6 +104,14 @@ class CenteredRMSNorm(GemmaStyleRMSNorm):
     def forward(self, x):
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight).float()).type_as(x)
+
+
+class InputScaledRMSNorm(GemmaStyleRMSNorm):
+    """MuseSpark's post-feedforward norms: x scaled by ``1 + weight`` and rounded, then normalized."""
+
+    def forward(self, x):
+        xs = (x.float() * (1.0 + self.weight).float()).type_as(x).float()
+        return (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
 class T5StyleLayerNorm(LlamaStyleRMSNorm):
@@ -297,17 +305,17 @@ def test_a_module_held_in_several_places_is_swapped_and_restored_at_each(device)
 def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     model = nn.Sequential(GemmaStyleRMSNorm(16), LooksLikeLlamaButIsNot(16), Qwen2RMSNorm(16), nn.LayerNorm(16),
                           Olmo2StyleRMSNorm(16), T5StyleLayerNorm(16), CustomLayerNorm(16),
-                          CenteredRMSNorm(16)).to(device)
+                          CenteredRMSNorm(16), InputScaledRMSNorm(16)).to(device)
     report = T.patch_rmsnorm(model)
     assert report.swapped == [("0", "GemmaStyleRMSNorm", "gemma"), ("2", "Qwen2RMSNorm", "llama"),
                               ("4", "Olmo2StyleRMSNorm", "torch"), ("5", "T5StyleLayerNorm", "t5"),
-                              ("7", "CenteredRMSNorm", "centered")], report
+                              ("7", "CenteredRMSNorm", "centered"), ("8", "InputScaledRMSNorm", "input_scaled")], report
     assert [(name, cls) for name, cls, _ in report.skipped] == [("1", "LooksLikeLlamaButIsNot")]
-    assert "computes none of torch, llama, gemma, t5, centered" in report.skipped[0].reason
+    assert "computes none of torch, llama, gemma, t5, centered, input_scaled" in report.skipped[0].reason
     assert isinstance(model[1], LooksLikeLlamaButIsNot) and isinstance(model[3], nn.LayerNorm)
     assert isinstance(model[6], CustomLayerNorm)
     assert "skipped 1 (LooksLikeLlamaButIsNot)" in str(report) and "swapped 0 (GemmaStyleRMSNorm) as gemma" in str(report)
-    assert report.semantics_counts() == {"gemma": 1, "llama": 1, "torch": 1, "t5": 1, "centered": 1}
+    assert report.semantics_counts() == {"gemma": 1, "llama": 1, "torch": 1, "t5": 1, "centered": 1, "input_scaled": 1}
 
 
 @pytest.mark.parametrize("module, reason", [
@@ -315,9 +323,9 @@ def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     (BiasRMSNorm(16), "has parameters other than weight (bias)"),
     (nn.Sequential(), None),  # not named like a norm: not examined
     (CustomLayerNorm(16), None),  # another norm: not examined past its structure, not reported
-    (HardCodedEpsRMSNorm(16), "computes none of torch, llama, gemma, t5, centered"),
+    (HardCodedEpsRMSNorm(16), "computes none of torch, llama, gemma, t5, centered, input_scaled"),
     (TrainOnlyScaleRMSNorm(16), "differs between train and eval mode"),
-    (GroupRMSNorm(16), "computes none of torch, llama, gemma, t5, centered"),
+    (GroupRMSNorm(16), "computes none of torch, llama, gemma, t5, centered, input_scaled"),
 ])
 def test_recognition_reasons(device, module, reason):
     found = recognize(module.to(device))
@@ -409,10 +417,14 @@ KWARGS = [
 ]
 
 
-def test_centered_semantics_adds_the_offset_in_the_weights_dtype():
+def test_centered_semantics_add_the_offset_in_the_weights_dtype():
     weight = torch.tensor([0.3, -0.7], dtype=torch.bfloat16)
     assert torch.equal(CENTERED.offset_weight(weight), 1.0 + weight) and CENTERED.offset_weight(weight).dtype == bf16
     assert GEMMA.offset_weight(weight) is weight and CENTERED.offset_weight(None) is None
+    x = torch.tensor([[1.5, 2.25]], dtype=torch.bfloat16)
+    scaled, none = INPUT_SCALED.scale_input(x, weight)  # the norm then takes the scaled input, no weight
+    assert none is None and torch.equal(scaled, (x.float() * (1.0 + weight).float()).to(bf16))
+    assert CENTERED.scale_input(x, weight) == (x, weight)
 
 
 @pytest.mark.parametrize("semantics, x_dtype, w_dtype, want", KWARGS)
@@ -421,7 +433,7 @@ def test_semantics_kwargs(semantics, x_dtype, w_dtype, want):
 
 
 @pytest.mark.parametrize("cls", [LlamaStyleRMSNorm, Olmo2StyleRMSNorm, GemmaStyleRMSNorm, T5StyleLayerNorm,
-                                 CenteredRMSNorm])
+                                 CenteredRMSNorm, InputScaledRMSNorm])
 def test_dtype_change_after_patching_follows_the_original(device, cls):
     """The semantics hold for whatever dtypes arrive: model.to(bf16) after the patch, inputs
     of another dtype than the weight."""

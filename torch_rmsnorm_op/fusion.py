@@ -621,7 +621,7 @@ def decompose_epilogue_norms(graph: Graph) -> int:
     and whose output only elementwise ops read (through views; Qwen3's q/k norms, read by
     RoPE), whose input is an embedding lookup (the first decoder layer's input norm: the
     gather, forward, and the embedding's gradient, backward, join the norm's kernels), or whose
-    input is a sum (or a cast of one that changes nothing) with a term that is an elementwise
+    input (read through a cast that changes nothing) is a sum with a term that is an elementwise
     result nothing else reads (HunYuan's q/k norms, after RoPE; Granite's norms after its scaled
     residual branches; MuseSpark's after its residual gates) or, in inference, a
     mixture of experts' combined output (``_pointwise_sum``), or whose input is any other
@@ -636,9 +636,9 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
         x = norm.args[0]
-        summed = x.args[0] if isinstance(x, Node) and _noop_cast(x) else x  # as fuse_residual_adds reads it
+        x = x.args[0] if isinstance(x, Node) and _noop_cast(x) else x  # as fuse_residual_adds reads it
         if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(x)
-                or _pointwise_sum(summed, norm) or _elementwise_read_once(x)):
+                or _pointwise_sum(x, norm) or _elementwise_read_once(x)):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):

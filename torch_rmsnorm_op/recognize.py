@@ -17,6 +17,8 @@ t5        ``w * n.to(w.dtype)`` if w is fp16/bf16, else     T5, mT5, LongT5, UMT
           ``w * n`` (in fp32)
 centered  ``(n * (1 + w).float()).type_as(x)``: the         MuseSpark's text layers
           offset added in the weight's dtype
+input_    ``norm((x.float() * (1 + w).float()).type_as(x))``  MuseSpark's post-feedforward and
+scaled    the weight scales x before a weightless norm       experts' output norms
 ========  ===============================================  ==========================================
 
 The rule (``recognize``): a module is *examined* when it is an ``nn.RMSNorm`` or when
@@ -79,7 +81,9 @@ class Semantics:
     added in fp32 (by the kernels), or, with ``offset_in_weight_dtype``, in the weight's own
     dtype (by torch, before the call: a bf16 weight's sum is rounded to bf16 as the module
     rounds it); the offset is an int (the families' offsets are), which ``torch.compile``
-    keeps as a constant where it would make a float an input of the graph."""
+    keeps as a constant where it would make a float an input of the graph. With
+    ``scale_first``, that weight scales x instead (in the computation dtype, rounded to x's
+    dtype, by torch) and the kernels normalize the product without a weight."""
 
     name: str
     formula: str
@@ -87,6 +91,7 @@ class Semantics:
     norm_rounding: Literal["none", "input", "half_weight"] = "none"
     output: Literal["input", "promote", "half_weight"] = "input"
     offset_in_weight_dtype: bool = False
+    scale_first: bool = False
 
     def offset_weight(self, weight: Tensor | None) -> Tensor | None:
         """The weight the kernels take: ``weight + weight_offset`` in the weight's dtype where
@@ -94,6 +99,14 @@ class Semantics:
         if weight is None or not self.offset_in_weight_dtype or not self.weight_offset:
             return weight
         return weight + self.weight_offset
+
+    def scale_input(self, x: Tensor, weight: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``(x, weight)`` as the norm takes them: where the weight scales the input first, the
+        scaled input and no weight."""
+        if weight is None or not self.scale_first:
+            return x, weight
+        ctype = reference.computation_dtype(x.dtype)
+        return (x.to(ctype) * self.offset_weight(weight).to(ctype)).to(x.dtype), None
 
     def kwargs(self, x_dtype: torch.dtype, weight_dtype: torch.dtype | None
                ) -> tuple[int, torch.dtype | None, torch.dtype | None]:
@@ -123,6 +136,7 @@ class Semantics:
     def rms_norm(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
                  eps: float | None) -> Tensor:
         """This semantics computed by ``torch_rmsnorm_op.rms_norm`` (the kernels)."""
+        x, weight = self.scale_input(x, weight)
         offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
         return rms_norm(x, normalized_shape, self.offset_weight(weight), eps, weight_offset=offset,
                         norm_dtype=norm_dtype, out_dtype=out_dtype)
@@ -130,6 +144,7 @@ class Semantics:
     def reference(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
                   eps: float | None) -> Tensor:
         """This semantics computed by the PyTorch reference (``reference.rms_norm_forward``)."""
+        x, weight = self.scale_input(x, weight)
         offset, norm_dtype, out_dtype = self.kwargs(x.dtype, None if weight is None else weight.dtype)
         n = math.prod(normalized_shape)
         rows = x.reshape(*x.shape[: x.dim() - len(normalized_shape)], n)
@@ -148,9 +163,12 @@ T5 = Semantics("t5", "w * n.to(w.dtype) for a fp16/bf16 weight, else w * n in fp
                norm_rounding="half_weight", output="half_weight")
 CENTERED = Semantics("centered", "(n * (1 + w).float()).type_as(x): offset weight in w's dtype, round once",
                     weight_offset=1, offset_in_weight_dtype=True)
+INPUT_SCALED = Semantics("input_scaled", "norm((x.float() * (1 + w).float()).type_as(x)): x scaled by the "
+                         "centered weight and rounded, then normalized without a weight", weight_offset=1,
+                         offset_in_weight_dtype=True, scale_first=True)
 # In order of preference: where several agree on every probe (a module without weight, or
 # fp32 throughout) the plainest is chosen.
-SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5, CENTERED)
+SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5, CENTERED, INPUT_SCALED)
 SEMANTICS_BY_NAME: dict[str, Semantics] = {s.name: s for s in SEMANTICS}
 
 
