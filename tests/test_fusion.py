@@ -359,6 +359,8 @@ IDS = torch.tensor([[1, 4, 9], [0, 4, 2]])
                                                 PROJ), True),
     ("a product cast to its own dtype, then a projection",  # MuseSpark's input-scaled norms
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm((x * W16).to(x.dtype), (16,)), PROJ), True),
+    ("a product cast to its own dtype, read again", lambda x, c, s: (lambda h: (torch.nn.functional.linear(
+        T.rms_norm(h, (16,)), PROJ), h))((x * W16).to(x.dtype)), False),
     ("after a mixture of experts, then a projection",  # Mixtral's, Qwen3-MoE's
      lambda x, c, s: torch.nn.functional.linear(T.rms_norm(
          x.flip(0) + (torch.cat([x, x * 2.0]) * 0.5)[torch.tensor([1, 2, 0, 3])].view(2, 2, 4, 3, 16).sum(1),

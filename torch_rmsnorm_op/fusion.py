@@ -635,10 +635,11 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         users = list(norm.users)
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
-        x = norm.args[0]
-        x = x.args[0] if isinstance(x, Node) and _noop_cast(x) else x  # as fuse_residual_adds reads it
-        if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(x)
-                or _pointwise_sum(x, norm) or _elementwise_read_once(x)):
+        x = cast = norm.args[0]
+        if isinstance(cast, Node) and _noop_cast(cast):  # read through, as fuse_residual_adds reads it
+            x = cast.args[0]
+        if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(x) or _pointwise_sum(x, norm)
+                or (_elementwise_read_once(x) and len(cast.users) == 1)):
             continue
         fake = _fake_call(_inductor_norm, norm.args, norm.kwargs)
         with graph.inserting_before(norm):
