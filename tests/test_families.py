@@ -126,6 +126,13 @@ FAMILIES = {
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, experts_implementation="batched_mm"),
         ({"torch": 6}, {"llama": 6}), COHERE_NORM, False),
+    # Qwen4Exp: hyper-connections, four residual streams side by side in a row, each normalized apart
+    # (groups of the hidden size) and scaled by its part of one weight; a linear-attention layer
+    "qwen4_exp": ("Qwen4ExpTextConfig", "Qwen4ExpForCausalLM", dict(
+        layer_types=["linear_attention"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, hc_lowrank=8, use_cache=False, experts_implementation="batched_mm"),
+        {"gemma, groups of 32": 3, "llama*silu(gate)": 1}, None, True),
     # MuseSpark's text model: the layers' input norms add their offset to the weight in its own dtype
     # (centered); its post-feedforward and experts' output norms scale the input by that weight first
     "muse_spark": ("MuseSparkTextConfig", "MuseSparkTextModel", dict(
@@ -234,7 +241,7 @@ def _assert_compiles(model, inputs, want, calls, patched, reference):
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
                                     "qwen3_moe", "qwen2_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h",
-                                    "bitnet", "muse_spark"])
+                                    "bitnet", "muse_spark", "qwen4_exp"])
 def test_family_under_inductor(device, family):
     """Patched and compiled with Inductor, whose passes rewrite the graph (residual adds fused
     into the norms, Gemma 2/3/3n's, GLM 4's and OLMo 2's norms before a residual add joined to it, norms
@@ -263,6 +270,9 @@ def test_family_under_inductor(device, family):
         elif family == "muse_spark":  # each residual gate's sum and the norm after it left to Inductor (as
             # Granite's); the first layer's input norm, of the embedding norm's output, and the experts' stay ours
             assert calls == {"rmsnorm.fwd": 2, "rmsnorm.bwd": 2}, T.dispatch_stats()
+        elif family == "qwen4_exp":  # the streams' grouped norms, which the weight's multiply reads, and the
+            # linear attention's gated norm all left to Inductor
+            assert calls == {}, T.dispatch_stats()
         elif family == "nemotron_h":  # each block's norm reads its input through a cast that changes nothing:
             # the second and third blocks' and the final norm take their adds (the first's input is the embeddings)
             assert calls == {"rmsnorm.add_fwd": 3, "rmsnorm.add_bwd": 3}, T.dispatch_stats()

@@ -87,6 +87,23 @@ class MaybeGroupedRMSNorm(LlamaStyleRMSNorm):
         return self.weight * g.flatten(-2).to(x.dtype)
 
 
+class StreamsRMSNorm(GemmaStyleRMSNorm):
+    """Qwen4Exp's hyper-connection norms: the groups ``group_size`` names normalized apart (the
+    whole row without one), scaled by their parts of Gemma's ``1 + weight``; or, ``llama``,
+    rounded to x's dtype and then scaled by the weight."""
+
+    def __init__(self, hidden_size, group_size=None, llama=False):
+        super().__init__(hidden_size)
+        self.group_size, self.llama = group_size, llama
+
+    def forward(self, x):
+        g = x.float().unflatten(-1, (-1, self.group_size or x.shape[-1]))
+        n = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.llama:
+            return self.weight * n.to(x.dtype)
+        return (n * (1.0 + self.weight.float())).type_as(x)
+
+
 class WeightlessRMSNorm(nn.Module):
     """No weight: normalizes whatever last dim it is given."""
 
@@ -374,6 +391,36 @@ def test_probe_is_shared_only_by_modules_alike(device):
     report = T.patch_rmsnorm(model)
     assert [row.name for row in report.swapped] == ["0", "1", "3"] and report.skipped[0].name == "2"
     assert all(model[i].weight is not model[j].weight for i, j in ((0, 1), (1, 3)))
+
+
+def test_grouped_norms_are_swapped_with_the_group_their_attribute_names(device):
+    """A norm over groups of the row that its ``group_size`` attribute names, each group scaled
+    by its part of the weight, is swapped with a semantics per group (the kernels normalize the
+    groups, torch applies the weight); it computes what the original does for every pair of
+    dtypes, and so do its gradients."""
+    model = nn.ModuleList([StreamsRMSNorm(16, group_size=4), StreamsRMSNorm(16, group_size=8, llama=True),
+                           StreamsRMSNorm(16)]).to(device)
+    with torch.no_grad():
+        for m in model:
+            m.weight.normal_()
+    original = copy.deepcopy(model)
+    report = T.patch_rmsnorm(model)
+    assert report.semantics_counts() == {"gemma, groups of 4": 1, "llama, groups of 8": 1, "gemma": 1}, report
+    for w_dtype in (torch.float32, torch.bfloat16):
+        model.to(w_dtype), original.to(w_dtype)
+        for x_dtype in (torch.float32, torch.bfloat16):
+            for want_module, got_module in zip(original, model):
+                x = torch.randn(3, 5, 16, device=device, dtype=x_dtype)
+                assert_computes_like(want_module, got_module, x)
+    model.float(), original.float()
+    x = torch.randn(6, 16, device=device, requires_grad=True)
+    for want_module, got_module in zip(original, model):
+        want_module.zero_grad(), got_module.zero_grad()
+        want = torch.autograd.grad(want_module(x).sin().sum(), (x, want_module.weight))
+        with T.fallback_policy("error"):
+            got = torch.autograd.grad(got_module(x).sin().sum(), (x, got_module.weight))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **grad_tol(torch.float32))
 
 
 def test_swap_refused_when_rms_norm_disagrees(device, monkeypatch):

@@ -172,6 +172,47 @@ SEMANTICS: tuple[Semantics, ...] = (TORCH, LLAMA, GEMMA, T5, CENTERED, INPUT_SCA
 SEMANTICS_BY_NAME: dict[str, Semantics] = {s.name: s for s in SEMANTICS}
 
 
+@dataclass(frozen=True)
+class GroupedSemantics:
+    """A norm over groups of ``group_size`` elements of the last dim (Qwen4Exp's norms of its
+    hyper-connection streams, one group per stream), each group scaled by its part of the
+    weight as ``semantics`` scales a row. The kernels normalize the groups as rows, without a
+    weight, rounded where ``semantics`` rounds the normalized row (else in the computation
+    dtype); the weight, its offset and the output's cast are torch ops."""
+
+    semantics: Semantics
+    group_size: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.semantics.name}, groups of {self.group_size}"
+
+    def compute(self, x: Tensor, weight: Tensor | None, eps: float | None, norm: Callable[..., Tensor]) -> Tensor:
+        """The grouped norm with ``norm`` (``rms_norm``'s signature and keywords) normalizing
+        the groups."""
+        x, weight = self.semantics.scale_input(x, weight)
+        w = self.semantics.offset_weight(weight)
+        offset, norm_dtype, out_dtype = self.semantics.kwargs(x.dtype, None if w is None else w.dtype)
+        ctype = reference.computation_dtype(x.dtype)
+        groups = x.unflatten(-1, (x.shape[-1] // self.group_size, self.group_size))
+        n_dtype = (norm_dtype or ctype) if w is not None else (out_dtype or x.dtype)
+        n = norm(groups, (self.group_size,), None, eps, norm_dtype=norm_dtype if w is None else None,
+                 out_dtype=None if n_dtype == x.dtype else n_dtype).flatten(-2)
+        if w is None:
+            return n
+        return (n.to(ctype) * (w.to(ctype) + offset)).to(out_dtype or x.dtype)
+
+    def rms_norm(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                 eps: float | None) -> Tensor:
+        """This grouped norm with the groups normalized by ``torch_rmsnorm_op.rms_norm``."""
+        return self.compute(x, weight, eps, rms_norm)
+
+    def reference(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
+                  eps: float | None) -> Tensor:
+        """This grouped norm with the groups normalized by the PyTorch reference."""
+        return self.compute(x, weight, eps, _reference_norm)
+
+
 # --- gated norms ------------------------------------------------------------------------------
 
 GATE_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {"silu": F.silu, "sigmoid": torch.sigmoid}
@@ -267,7 +308,7 @@ class Recognition:
     ``semantics`` None and the ``reason`` it is left alone. ``normalized_shape`` None: the
     module (one without weight) normalizes the last dim of whatever input it gets."""
 
-    semantics: Semantics | GatedSemantics | None
+    semantics: Semantics | GroupedSemantics | GatedSemantics | None
     normalized_shape: tuple[int, ...] | None = None
     eps: float | None = None
     weight: nn.Parameter | None = None
@@ -529,7 +570,7 @@ def _where(args: tuple[Tensor | None, ...], w: Tensor | None) -> str:
     return where + (", no gate" if len(args) > 1 and args[1] is None else "")
 
 
-def _choose(probes: list[_Probe], candidates: list[tuple[float | None, Semantics | GatedSemantics]],
+def _choose(probes: list[_Probe], candidates: list[tuple[float | None, Semantics | GroupedSemantics | GatedSemantics]],
             reference: Callable[..., Tensor], weight: nn.Parameter | None, kernels: Callable[..., Tensor],
             shape: tuple[int, ...]) -> Recognition | str:
     """The first ``(eps, semantics)`` of ``candidates`` whose ``reference(semantics, args, w,
@@ -572,7 +613,11 @@ def _probe(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | N
     probes = _run_probes(module, weight, w64, dtypes, lambda x_dtype: [(x64.to(x_dtype),)])
     if isinstance(probes, Recognition):
         return probes
-    found = _choose(probes, [(eps, semantics) for eps in eps_values for semantics in SEMANTICS],
+    candidates = [(eps, semantics) for eps in eps_values for semantics in SEMANTICS]
+    if weight is not None:  # a weight of the row: it may scale groups the module normalizes apart
+        candidates += [(eps, GroupedSemantics(semantics, size)) for eps in eps_values
+                       for size in _group_sizes(module, shape[0])[1:] for semantics in SEMANTICS]
+    found = _choose(probes, candidates,
                     lambda semantics, args, w, eps: semantics.reference(args[0], shape, w, eps), weight,
                     lambda semantics, args, w, eps: semantics.rms_norm(args[0], shape, w, eps), shape)
     if isinstance(found, Recognition):
