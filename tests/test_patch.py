@@ -407,15 +407,16 @@ def test_grouped_norms_are_swapped_with_the_group_their_attribute_names(device):
     report = T.patch_rmsnorm(model)
     assert report.semantics_counts() == {"gemma, groups of 4": 1, "llama, groups of 8": 1, "gemma": 1}, report
     for w_dtype in (torch.float32, torch.bfloat16):
-        model.to(w_dtype), original.to(w_dtype)
+        model.to(w_dtype)
+        original.to(w_dtype)
         for x_dtype in (torch.float32, torch.bfloat16):
             for want_module, got_module in zip(original, model):
                 x = torch.randn(3, 5, 16, device=device, dtype=x_dtype)
                 assert_computes_like(want_module, got_module, x)
-    model.float(), original.float()
+    model.float()
+    original.float()
     x = torch.randn(6, 16, device=device, requires_grad=True)
     for want_module, got_module in zip(original, model):
-        want_module.zero_grad(), got_module.zero_grad()
         want = torch.autograd.grad(want_module(x).sin().sum(), (x, want_module.weight))
         with T.fallback_policy("error"):
             got = torch.autograd.grad(got_module(x).sin().sum(), (x, got_module.weight))
@@ -471,7 +472,8 @@ def test_centered_semantics_add_the_offset_in_the_weights_dtype():
     x = torch.tensor([[1.5, 2.25]], dtype=torch.bfloat16)
     scaled, none = INPUT_SCALED.scale_input(x, weight)  # the norm then takes the scaled input, no weight
     assert none is None and torch.equal(scaled, (x.float() * (1.0 + weight).float()).to(bf16))
-    assert CENTERED.scale_input(x, weight) == (x, weight)
+    same_x, same_weight = CENTERED.scale_input(x, weight)
+    assert same_x is x and same_weight is weight
 
 
 @pytest.mark.parametrize("semantics, x_dtype, w_dtype, want", KWARGS)

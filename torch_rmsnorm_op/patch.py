@@ -3,8 +3,10 @@
 What is swapped: every module that ``recognize.recognize`` proves to compute one of
 the RMSNorm semantics that ``rms_norm``'s keyword arguments express (``torch``:
 ``nn.RMSNorm``, OLMo2; ``llama``: Llama and the transformers classes with its forward;
-``gemma``: ``(1 + weight)``; ``t5``: ``T5LayerNorm``). Recognition is by what the module
-computes, never by its class name alone: each candidate's own forward runs on probe
+``gemma``: ``(1 + weight)``; ``t5``: ``T5LayerNorm``; ``centered`` and ``input_scaled``:
+MuseSpark's ``1 + weight`` added in the weight's dtype, scaling the normalized row or the
+input; each also per group of the row, ``recognize.GroupedSemantics``). Recognition is by
+what the module computes, never by its class name alone: each candidate's own forward runs on probe
 inputs against each semantics (``recognize`` says how), so a lookalike with other
 semantics is skipped with the measured difference, never silently changed. Every
 module the patcher examines and leaves alone is in the report with the reason. Gated

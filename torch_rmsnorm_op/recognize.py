@@ -47,6 +47,10 @@ A gated norm, whose forward takes the input and a gate (Qwen3-Next's, Mamba 2's)
 examined alike against ``GatedSemantics``: a form from ``GATED_FORMS`` (the gate before
 or after the norm, Llama's rounding or fp32), the gate's activation and the groups the
 norm runs over, its forward run on (x, gate) pairs.
+
+A module with a weight whose ``group_size`` or ``n_groups`` attribute names groups of the
+row (Qwen4Exp's hyper-connection norms) is also probed against each semantics applied per
+group (``GroupedSemantics``: the kernels normalize the groups, torch applies the weight).
 """
 
 from __future__ import annotations
