@@ -268,7 +268,7 @@ def test_family_under_inductor(device, family):
             # left to Inductor, which computes the product in the norm's kernel
             assert calls == {"rmsnorm.add_fwd": 2, "rmsnorm.add_bwd": 2, "rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, calls
         elif family == "muse_spark":  # each residual gate's sum and the norm after it left to Inductor (as
-            # Granite's); the first layer's input norm, of the embedding norm's output, and the experts' stay ours
+            # Granite's); the first layer's input norm, of the embedding norm's output, and the experts' input norm stay ours
             assert calls == {"rmsnorm.fwd": 2, "rmsnorm.bwd": 2}, T.dispatch_stats()
         elif family == "qwen4_exp":  # the streams' grouped norms, which the weight's multiply reads, and the
             # linear attention's gated norm all left to Inductor
