@@ -1,11 +1,14 @@
-"""Every transformers causal LM, patched, against itself unpatched.
+"""Every transformers causal LM (or model of another head), patched, against itself unpatched.
 
-Each ``*ForCausalLM`` class of the installed transformers is built from its config class's
-defaults shrunk to two layers of width 64 (``SMALL``: the attributes a config has, passed to its
-constructor so that the attributes derived from them follow; ``layer_types`` cut to the two
-layers; a latent-attention config's key/value heads as its query heads; ``OWN``: what a default
-config leaves to checkpoints; dropout off), in fp32, then patched (``patch_rmsnorm``). Its
-logits on random token ids are compared with the unpatched model's under the ``"error"``
+Each ``*ForCausalLM`` class of the installed transformers (``--head``: the classes whose names
+end in another head, such as ``ForConditionalGeneration``: multimodal and encoder-decoder
+models, run on token ids alone) is built from its config class's defaults shrunk to two layers
+of width 64 (``SMALL``: the attributes a config has, passed to its constructor so that the
+attributes derived from them follow; ``layer_types`` cut to the two layers; a latent-attention
+config's key/value heads as its query heads; the configs it holds, a multimodal model's text and
+vision configs among them, shrunk alike; ``OWN``: what a default config leaves to checkpoints;
+dropout off), in fp32, then patched (``patch_rmsnorm``). Its logits on random token ids (an
+encoder-decoder's decoder gets the same ids) are compared with the unpatched model's under the ``"error"``
 fallback policy, so that every norm the patcher swapped must run the kernels; with
 ``--compile``, a training step (forward with labels, backward) of the patched model under
 ``torch.compile`` (Inductor) is compared with the unpatched model's eager step, logits and
@@ -20,7 +23,7 @@ on it, eager or, with ``--compile``, compiled: the family needs a config of its 
 ``tests/test_families.py`` gives the families it covers). Each model runs in a process of its
 own, so that one that exhausts memory or hangs costs only its row.
 
-Run: ``python profiling/family_survey.py --out DIR [--compile] [--models A,B] [--timeout S]``
+Run: ``python profiling/family_survey.py --out DIR [--compile] [--head H] [--models A,B] [--timeout S]``
 (on a machine without a GPU the kernels run through the Triton interpreter). Writes
 ``DIR/survey.json`` and ``DIR/survey.md``.
 """
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 import os
 import subprocess
@@ -52,11 +56,12 @@ BUILT = "built"  # what a model's process prints once the unpatched model ran
 MEMORY = 16 << 30  # the address space a model's process may take on a machine without a GPU
 
 
-def model_names() -> list[str]:
+def model_names(head: str = "ForCausalLM") -> list[str]:
+    """The installed transformers' model classes whose names end in ``head``."""
     import transformers
 
     return sorted(n for n in dir(transformers)
-                  if n.endswith("ForCausalLM") and not n.startswith(("TF", "Flax", "Auto")))
+                  if n.endswith(head) and not n.startswith(("TF", "Flax", "Auto")))
 
 
 def _derived(config, key: str) -> bool:
@@ -69,8 +74,22 @@ def _build(name: str):
     import transformers
 
     cls = getattr(transformers, name)
-    default = cls.config_class()
-    small = {}
+    config = _small_config(cls.config_class(), OWN.get(name, {}))
+    torch.manual_seed(0)
+    return cls(config)
+
+
+def _small_config(default, own: dict):
+    """``default`` (a config) shrunk as the module docstring says, with ``own`` on top, and each
+    config it holds (a multimodal model's text and vision configs, a hybrid's parts) likewise."""
+    from transformers import PretrainedConfig
+
+    cls = type(default)
+    small = {key: _small_config(value, {}) for key, value in vars(default).items()
+             if isinstance(value, PretrainedConfig)}
+    for key in ("depth", "encoder_layers", "decoder_layers", "num_decoder_layers"):  # the parts' layer counts
+        if isinstance(getattr(default, key, None), int) and not _derived(default, key):
+            small[key] = 2
     for key, value in SMALL.items():
         try:
             if hasattr(default, key) and not _derived(default, key):
@@ -89,13 +108,13 @@ def _build(name: str):
             default, "layer_types"):
         n = small["num_hidden_layers"]
         small["layer_types"] = (layer_types * n)[:n]
-    small.update(OWN.get(name, {}))
+    small.update(own)
     small.update({key: 0.0 for key, value in default.to_dict().items()
                   if "dropout" in key and isinstance(value, float)})
     try:  # through the constructor, so that attributes derived from these follow them
-        config = cls.config_class(**small)
+        config = cls(**small)
     except Exception:  # noqa: BLE001 (a value this config's own validation refuses: set what it takes)
-        config = cls.config_class()
+        config = cls()
         for key, value in small.items():
             try:
                 setattr(config, key, value)
@@ -107,19 +126,21 @@ def _build(name: str):
             config.layer_types = (layer_types * config.num_hidden_layers)[: config.num_hidden_layers]
         except AttributeError:  # derived from other attributes in this config
             pass
-    torch.manual_seed(0)
-    return cls(config)
+    return config
 
 
 def _step(model, ids, train: bool, compiled: bool):
     import torch
 
     run = torch.compile(model) if compiled else model
+    inputs = dict(input_ids=ids)
+    if "decoder_input_ids" in inspect.signature(model.forward).parameters:  # an encoder-decoder
+        inputs["decoder_input_ids"] = ids
     if not train:
         with torch.no_grad():
-            return run(input_ids=ids).logits, {}
+            return run(**inputs).logits, {}
     model.zero_grad(set_to_none=True)
-    out = run(input_ids=ids, labels=ids)
+    out = run(**inputs, labels=ids)
     out.loss.backward()
     return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -187,7 +208,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    lines = [f"# Family survey ({'compiled training step' if meta['compile'] else 'eager inference'})", "",
+    lines = [f"# Family survey: *{meta.get('head', 'ForCausalLM')} "
+             f"({'compiled training step' if meta['compile'] else 'eager inference'})", "",
              f"transformers {meta['transformers']}, torch {meta['torch']}, {meta['device']}, {meta['date']}; "
              f"{len(rows)} models: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), "",
              "| model | status | swapped | reported | semantics | logits diff | grads diff | graph breaks "
@@ -208,7 +230,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".")
     p.add_argument("--compile", action="store_true", help="a compiled training step, not eager inference")
-    p.add_argument("--models", help="comma-separated class names (default: every *ForCausalLM)")
+    p.add_argument("--head", default="ForCausalLM", help="the classes whose names end in this (default: %(default)s)")
+    p.add_argument("--models", help="comma-separated class names (default: every class of --head)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per model")
     p.add_argument("--one", help=argparse.SUPPRESS)  # the per-model process
     args = p.parse_args()
@@ -226,10 +249,11 @@ def main() -> None:
             import resource
 
             resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-    names = args.models.split(",") if args.models else model_names()
+    names = args.models.split(",") if args.models else model_names(args.head)
     rows = []
     os.makedirs(args.out, exist_ok=True)
-    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "compile": args.compile,
+    meta = {"transformers": transformers.__version__, "torch": torch.__version__, "head": args.head,
+            "compile": args.compile,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Triton interpreter)",
             "date": time.strftime("%Y-%m-%d")}
     for name in names:
