@@ -255,8 +255,8 @@ def test_summing_backward_fits_in_shared_memory(terms):
 def test_family_survey_rows_say_what_each_model_got(device):
     """``profiling/family_survey.py``: a family the patcher serves matches its unpatched self
     (compiled training step: logits, gradients, no graph break; eager inference for a latent
-    attention family), a class that does not build and one without an RMSNorm say so, and the
-    table holds a line per model."""
+    attention family, and an encoder-decoder of another head), a class that does not build and
+    one without an RMSNorm say so, and the table holds a line per model."""
     sys.path.insert(0, os.path.join(ROOT, "profiling"))
     try:
         import family_survey
@@ -272,6 +272,10 @@ def test_family_survey_rows_say_what_each_model_got(device):
     # Latent attention's head sizes follow the shrunk ones through the config's constructor.
     latent = family_survey.survey("DeepseekV32ForCausalLM")
     assert latent["status"] == "match" and latent["swapped"] > 0, latent
+    # An encoder-decoder of another head, on token ids alone (its decoder gets the same ids).
+    t5 = family_survey.survey("T5ForConditionalGeneration")
+    assert t5["status"] == "match" and t5["semantics"] == {"t5": 12}, t5
+    assert family_survey.model_names("ForConditionalGeneration").count("T5ForConditionalGeneration") == 1
     bart = family_survey.survey("BartForCausalLM")
     assert bart["status"] == "no norm" and bart["swapped"] == 0, bart
     table = family_survey._markdown([llama, missing, bart], dict(compile=True, transformers="t", torch="t",
