@@ -398,6 +398,12 @@ def _noop_cast(node: Node) -> bool:
             and all(statically_known_true(x == y) for x, y in zip(before.stride(), after.stride())))
 
 
+def _through_noop_cast(x: object) -> object:
+    """The input of ``x`` where ``x`` is a cast that changes nothing (``_noop_cast``), else ``x``:
+    what a norm of ``x`` reads."""
+    return x.args[0] if isinstance(x, Node) and _noop_cast(x) else x
+
+
 def fuse_residual_adds(graph: Graph) -> int:
     """Rewrite every fusable ``a + b -> rmsnorm.fwd`` in ``graph`` into ``rmsnorm.add_fwd``,
     the norm reading the sum directly or through a cast that changes nothing (``_noop_cast``);
@@ -407,9 +413,8 @@ def fuse_residual_adds(graph: Graph) -> int:
     for norm in list(graph.nodes):
         if not _is_norm(norm) or not norm.args or not isinstance(norm.args[0], Node):
             continue
-        add = cast = norm.args[0]
-        if _noop_cast(cast) and _is_add(cast.args[0]):
-            add = cast.args[0]
+        cast = norm.args[0]
+        add = _through_noop_cast(cast)
         if not _is_add(add) or _pointwise_sum(add, norm) or not _fusable(add) or not _inputs_before(add, norm, order):
             continue
         args = (*add.args, *norm.args[1:])
@@ -635,9 +640,8 @@ def decompose_epilogue_norms(graph: Graph) -> int:
         users = list(norm.users)
         if not all(u.op == "call_function" and u.target is operator.getitem and u.args[1] == 0 for u in users):
             continue
-        x = cast = norm.args[0]
-        if isinstance(cast, Node) and _noop_cast(cast):  # read through, as fuse_residual_adds reads it
-            x = cast.args[0]
+        cast = norm.args[0]
+        x = _through_noop_cast(cast)
         if not (all(_read_pointwise_only(u) for u in users) or _embedding_lookup(x) or _pointwise_sum(x, norm)
                 or (_elementwise_read_once(x) and len(cast.users) == 1)):
             continue

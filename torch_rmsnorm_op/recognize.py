@@ -197,13 +197,12 @@ class GroupedSemantics:
         x, weight = self.semantics.scale_input(x, weight)
         w = self.semantics.offset_weight(weight)
         offset, norm_dtype, out_dtype = self.semantics.kwargs(x.dtype, None if w is None else w.dtype)
-        ctype = reference.computation_dtype(x.dtype)
         groups = x.unflatten(-1, (x.shape[-1] // self.group_size, self.group_size))
-        n_dtype = (norm_dtype or ctype) if w is not None else (out_dtype or x.dtype)
-        n = norm(groups, (self.group_size,), None, eps, norm_dtype=norm_dtype if w is None else None,
-                 out_dtype=None if n_dtype == x.dtype else n_dtype).flatten(-2)
-        if w is None:
-            return n
+        if w is None:  # the semantics' own roundings, with no weight to apply
+            return norm(groups, (self.group_size,), None, eps, norm_dtype=norm_dtype, out_dtype=out_dtype).flatten(-2)
+        ctype = reference.computation_dtype(x.dtype)
+        n_dtype = norm_dtype or ctype  # the normalized row as the semantics rounds it before the weight
+        n = norm(groups, (self.group_size,), None, eps, out_dtype=None if n_dtype == x.dtype else n_dtype).flatten(-2)
         return (n.to(ctype) * (w.to(ctype) + offset)).to(out_dtype or x.dtype)
 
     def rms_norm(self, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None,
