@@ -61,6 +61,39 @@ def test_kernel_path_is_counted(device):
     assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
 
 
+def test_probing_scopes_the_policy_and_the_counts_to_its_own_thread(device):
+    """The patcher's probes (``fallback.probing``) run under "reference" and count nothing, in
+    the thread that probes; a call from another thread meanwhile keeps the user's policy and
+    is counted."""
+    import threading
+
+    x, w = _fp64(device)
+    started, release, seen = threading.Event(), threading.Event(), {}
+
+    def probe():
+        with fallback.probing():
+            seen["policy"] = T.get_fallback_policy()
+            T.rms_norm(x, (8,), w)  # a fallback, neither raised nor counted
+            started.set()
+            release.wait(timeout=30)
+
+    T.reset_dispatch_stats()
+    with T.fallback_policy("error"):
+        thread = threading.Thread(target=probe)
+        thread.start()
+        assert started.wait(timeout=30)
+        try:
+            assert T.get_fallback_policy() == "error"
+            with pytest.raises(T.FallbackError, match="float64"):
+                T.rms_norm(x, (8,), w)
+            T.rms_norm(x.float(), (8,), w.float())
+        finally:
+            release.set()
+            thread.join()
+    assert seen["policy"] == "reference"
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1}, "fallback": {}, "compiled": {}}
+
+
 @pytest.mark.parametrize("make", [
     lambda d: torch.randn(8, 6, device=d).t(),  # a last dim that is not contiguous
     lambda d: torch.randn(2, 12, 10, device=d).transpose(1, 2).unflatten(-1, (3, 4)),  # conv output, per head

@@ -43,6 +43,7 @@ _kernel_calls: Counter[str] = Counter()
 _fallback_calls: Counter[tuple[str, str]] = Counter()
 _compiled: Counter[str] = Counter()  # decisions taken while tracing a compiled graph
 _warned: set[str] = set()
+_thread = threading.local()  # ``probing``: this thread runs the library's own probes
 
 
 class FallbackError(RuntimeError):
@@ -56,7 +57,10 @@ def _validate(policy: str) -> str:
 
 
 def get_fallback_policy() -> str:
-    """The policy in force: explicit setting, else ``$TORCH_RMSNORM_OP_FALLBACK``, else ``"warn"``."""
+    """The policy in force: explicit setting, else ``$TORCH_RMSNORM_OP_FALLBACK``, else ``"warn"``
+    (``"reference"`` inside ``probing``, in the thread that probes)."""
+    if _probing():
+        return "reference"
     if _policy is not None:
         return _policy
     env = os.environ.get(ENV_VAR)
@@ -88,20 +92,21 @@ def fallback_policy(policy: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def probing() -> Iterator[None]:
-    """The library's own calls of the ops inside the block (the patcher's probes of a module,
-    which may run on a device the kernels do not serve): the policy is ``"reference"``, and
-    nothing is counted or warned about, so that ``dispatch_stats`` and the first warning of
-    each reason stay the user's calls'."""
-    global _kernel_calls, _fallback_calls, _compiled, _warned
-    with _lock:
-        kept = _kernel_calls, _fallback_calls, _compiled, _warned
-        _kernel_calls, _fallback_calls, _compiled, _warned = Counter(), Counter(), Counter(), set(_warned)
+    """The library's own calls of the ops inside the block, in this thread (the patcher's probes
+    of a module, which may run on a device the kernels do not serve): the policy is
+    ``"reference"``, and nothing is counted or warned about, so that ``dispatch_stats`` and the
+    first warning of each reason stay the user's calls'. Other threads' calls keep their policy
+    and are counted."""
+    previous = _probing()
+    _thread.probing = True
     try:
-        with fallback_policy("reference"):
-            yield
+        yield
     finally:
-        with _lock:
-            _kernel_calls, _fallback_calls, _compiled, _warned = kept
+        _thread.probing = previous
+
+
+def _probing() -> bool:
+    return getattr(_thread, "probing", False)
 
 
 def _counts_as_call_site() -> bool:
@@ -115,6 +120,8 @@ def _counts_as_call_site() -> bool:
 def record_kernel(op: str, compiled: bool = False) -> None:
     """Count one call served by the Triton kernels; with ``compiled``, one call site of a
     compiled graph whose launch the graph now holds (decided once, while tracing)."""
+    if _probing():
+        return
     with _lock:
         if compiled:
             if _counts_as_call_site():
@@ -127,6 +134,8 @@ def record_fallback(op: str, reason: str, compiled: bool = False) -> None:
     """Apply the policy to one fallback: raise, or count, log and maybe warn. With
     ``compiled``, the fallback is a call site of a compiled graph, decided while tracing: the
     graph then holds the reference's operations, and "error" raises while compiling."""
+    if _probing():
+        return
     policy = get_fallback_policy()
     if policy == "error":
         raise FallbackError(
