@@ -148,3 +148,79 @@ def test_compiled_patched_model_launches_our_kernels_statically(setting, model):
     want = "StaticTritonCompileResult" if setting == "1" else "TritonCompileResult"
     assert set(kinds) == {want}, kinds
     assert kinds[want] >= 2  # the forward and backward kernels at least
+
+
+class _Fake:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _compiled(signature: dict, constants: dict, num_ctas: int = 1, cooperative: bool = False) -> _Fake:
+    """What ``_triton_compat`` reads of a Triton 3.6 ``CompiledKernel``."""
+    names = list(signature)
+    return _Fake(src=_Fake(fn=_Fake(arg_names=names), signature=signature, constants=constants),
+                 metadata=_Fake(num_ctas=num_ctas, num_warps=8, shared=1024), function=1234,
+                 run=_Fake(launch_cooperative_grid=cooperative, launch_pdl=False))
+
+
+def test_eager_static_launch_passes_the_binary_its_parameters():
+    """The eager launches through torch's static launcher: every parameter in order goes in,
+    the constexprs (a None pointer, an int Triton specialized as 1, the declared ones) are
+    dropped, Triton 3.6's two scratch pointers are appended as null, and each scalar is typed
+    as Triton typed it; a kernel with a parameter type the launcher does not take, clusters or
+    a cooperative launch keeps Triton's launcher."""
+    from torch_rmsnorm_op import _triton_compat
+
+    signature = {"x": "*bf16", "r": "constexpr", "w": "*fp32", "m": "i32", "n": "constexpr", "eps": "fp32",
+                 "big": "i64", "BLOCK": "constexpr"}
+    compiled = _compiled(signature, {(1,): None, (4,): 1, (7,): 256})
+    assert _triton_compat.static_parameters(compiled) == ([0, 2, 3, 5, 6], "OOiflOO")
+    launches = []
+    call = _triton_compat._static_call(compiled, lambda *a: launches.append(a))
+    call(3, 1, 1, 77, 1000, None, 2000, 5, 1, 1e-6, 2**40, 256)
+    assert launches == [(1234, 3, 1, 1, 8, 1024, "OOiflOO", (1000, 2000, 5, 1e-6, 2**40, None, None), 77)]
+    assert _triton_compat._static_call(compiled, None) is None  # a torch without the launcher
+    for other in (_compiled({**signature, "flag": "i1"}, {}), _compiled(signature, {}, num_ctas=2),
+                  _compiled(signature, {}, cooperative=True)):
+        assert _triton_compat._static_call(other, lambda *a: None) is None
+
+
+@pytest.mark.cuda
+def test_eager_launches_through_either_launcher_give_the_same_bits(monkeypatch):
+    """Eager forwards and backwards (a replayed plan, single-pass, looped and split launches,
+    the dweight reduction) launched through torch's static launcher give Triton's launcher's
+    bits; ``set_static_launch(False)`` keeps Triton's for kernels compiled afterwards."""
+    import torch
+    import triton
+
+    from torch_rmsnorm_op import _triton_compat, dispatch
+
+    if not triton.__version__.startswith("3.6.") or _torch_compat.static_cuda_launch() is None:
+        pytest.skip("the static eager launch serves Triton 3.6 with a torch that has the launcher")
+    torch.manual_seed(0)
+    inputs = [(torch.randn(m, n, device="cuda", dtype=dtype), torch.rand(n, device="cuda", dtype=dtype) + 0.5)
+              for m, n, dtype in ((128, 257, torch.float32), (300, 4096, torch.bfloat16), (4, 65536, torch.bfloat16),
+                                  (2048, 2048, torch.float16))]
+
+    def run_all() -> list:
+        results = []
+        for x, w in inputs:
+            for _ in range(3):  # the JIT, the compiled kernel's launcher, the plan's replay
+                xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+                y = torch_rmsnorm_op.rms_norm(xg, (x.shape[-1],), wg, 1e-6)
+                y.backward(torch.ones_like(y))
+                with torch.no_grad():
+                    results.append((y, xg.grad, wg.grad, torch_rmsnorm_op.rms_norm(x, (x.shape[-1],), w, 1e-6)))
+        return results
+
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(_triton_compat, "_COMPILED", {})
+        monkeypatch.setattr(dispatch, "_PLANS", {})
+        monkeypatch.setattr(static_launch, "_enabled", enabled)
+        results = run_all()
+        runs.append((results, {launcher.head == () for launcher in _triton_compat._COMPILED.values()}))
+    (static, static_kinds), (triton_c, triton_kinds) = runs
+    assert static_kinds == {True} and triton_kinds == {False}
+    for a, b in zip(static, triton_c):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
