@@ -9,7 +9,7 @@ import torch
 from tolerances import BF16_ONE_ROUNDING, DWEIGHT, MODEL, TOL, dweight_tol, few_roundings, grad_tol
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op import _torch_compat, _triton_compat, dispatch, launch, reference
+from torch_rmsnorm_op import _triton_compat, dispatch, launch, reference
 from torch_rmsnorm_op.config import KernelConfig, next_power_of_2
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -174,7 +174,7 @@ def test_compiled_launches_match_the_jit(monkeypatch):
     aligned rows then misaligned ones (the JIT compiles those apart; they share a plan with
     the aligned ones), M = 1 (Triton turns an int 1 into a constant) and odd N, forward and
     backward. On Triton 3.6 the launches after the JIT's skip the launcher's Python
-    ``__call__``: they go through torch's static launcher where torch has one."""
+    ``__call__``."""
     import triton
 
     base = torch.randn(70 * 64 + 8, device="cuda", dtype=torch.bfloat16)
@@ -198,11 +198,8 @@ def test_compiled_launches_match_the_jit(monkeypatch):
     assert hits[1] >= 14
     assert hits[2] - hits[1] < hits[1] - hits[0]  # the third: aligned forwards from their plans
     assert {plan.m for plan in _replaying_plans().values()} == {70, 1}  # aligned shapes only
-    if triton.__version__.startswith("3.6."):  # torch's static launcher, else Triton's C launcher called directly
-        static = _torch_compat.static_cuda_launch() is not None
-        for launcher in _triton_compat._COMPILED.values():
-            assert (launcher.head == ()) == static
-            assert static or launcher.call is launcher.compiled.run.launch
+    if triton.__version__.startswith("3.6."):  # the C launcher called directly
+        assert all(launcher.call is launcher.compiled.run.launch for launcher in _triton_compat._COMPILED.values())
     for x, y, _, dy, dx, dw, y_alone in results:
         want_y, want_rstd = reference.rms_norm_forward(x.double(), w[x.shape[1]].double(), 1e-6)
         torch.testing.assert_close(y.double(), want_y, **TOL[torch.bfloat16])

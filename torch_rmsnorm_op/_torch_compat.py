@@ -24,10 +24,7 @@ the job. Checked on torch 2.11 and 2.13.
   autotuned configurations (``*.best_config``) are kept;
 - ``jagged_layout(t)``: a jagged nested tensor's ragged dim and its cached sequence lengths,
   which ``torch.nested.nested_tensor_from_jagged`` takes back when ``rms_norm`` rewraps its
-  normalized values;
-- ``static_cuda_launch()``: the C++ launcher of Triton-compiled CUDA kernels that Inductor's
-  generated code launches its kernels through (``torch._C._StaticCudaLauncher``), for the
-  eager launches of ``_triton_compat``.
+  normalized values.
 """
 
 from __future__ import annotations
@@ -50,7 +47,6 @@ __all__ = [
     "jagged_layout",
     "recording_graph",
     "register_triton_kernels",
-    "static_cuda_launch",
     "traced_triton_kernel",
     "triton_kernel_wrapper_functional",
     "with_constant_args",
@@ -149,13 +145,3 @@ def jagged_layout(t: torch.Tensor) -> tuple[int, int | None, int | None]:
     """A jagged nested tensor's ragged dim and its cached minimum and maximum sequence lengths
     (None where not cached)."""
     return t._ragged_idx, t._maybe_min_seqlen, t._maybe_max_seqlen
-
-
-def static_cuda_launch():
-    """Inductor's static CUDA launcher: ``launch(function, grid_x, grid_y, grid_z, num_warps,
-    shared, arg_types, args, stream)`` launches the loaded ``CUfunction`` ``function`` with
-    ``args``, a tuple with one character of ``arg_types`` each (``O`` a pointer, an int address
-    or None; ``i`` / ``l`` / ``I`` / ``K`` 32- and 64-bit ints; ``f`` fp32; ``d`` fp64), through
-    ``cuLaunchKernel``. None where this torch has none (a build without CUDA)."""
-    launcher = getattr(torch._C, "_StaticCudaLauncher", None)
-    return getattr(launcher, "_launch_kernel", None)

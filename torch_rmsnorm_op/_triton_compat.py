@@ -4,25 +4,21 @@ of compiled kernels, and fixes for the interpreter. Checked on Triton 3.6 and 3.
 Triton's JIT dispatch (binding the arguments, its cache key, the lookup) costs about as much
 host time as the launch itself, on every call. Once the JIT has compiled a specialization,
 ``run`` launches it through the compiled kernel's own launcher; where that launcher is Triton
-3.6's C launcher (``_RUN_PARAMS``, ``_C_LAUNCH_FORMAT``) and the kernel needs no scratch,
-through torch's static CUDA launcher (the one Inductor's generated code launches its kernels
-through; ``_static_call``), else that C ``launch`` itself. Any other Triton goes through
-``CompiledKernel.run``; with a launch hook registered (a profiler such as proton) through
-``CompiledKernel[grid]``, so the hook sees every launch.
+3.6's C launcher (``_RUN_PARAMS``, ``_C_LAUNCH_FORMAT``) and the kernel needs no scratch, its C
+``launch`` itself. Any other Triton goes through ``CompiledKernel.run``; with a launch hook
+registered (a profiler such as proton) through ``CompiledKernel[grid]``, so the hook sees every
+launch.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import triton
-
-from torch_rmsnorm_op import _torch_compat
 
 # Fused multiply-adds on, stated rather than left to Triton's default, which Triton 3.9 warns
 # will change in 3.10: the kernels' rounding (and bits) must not move with it.
@@ -137,11 +133,10 @@ _RUN_PARAMS = ("self", "gridX", "gridY", "gridZ", "stream", "function")
 _C_LAUNCH_FORMAT = "iiiKKppOOOOOO"  # grid, stream, function, cooperative, pdl, two scratch, metadata, hooks
 
 
-def _launcher(compiled, static: bool = True) -> Launcher:
+def _launcher(compiled) -> Launcher:
     """What ``compiled[grid](*args, stream=stream)`` runs when no launch hook is registered,
     without its closure, its launch metadata and the two empty hook chains it hands the
-    launcher: where Triton 3.6's C ``launch`` applies, torch's static launcher (``static`` and
-    ``_static_call`` allowing) or that C ``launch``; else ``compiled.run``."""
+    launcher: Triton 3.6's C ``launch`` where it applies, else ``compiled.run``."""
     run = compiled.run
     code = getattr(type(run).__call__, "__code__", None)
     driver = sys.modules.get(type(run).__module__)
@@ -149,72 +144,10 @@ def _launcher(compiled, static: bool = True) -> Launcher:
             and getattr(driver, "_BASE_ARGS_FORMAT", None) == _C_LAUNCH_FORMAT
             and getattr(run, "global_scratch_size", None) == 0 and getattr(run, "profile_scratch_size", None) == 0
             and hasattr(run, "launch")):
-        call = _static_call(compiled, _torch_compat.static_cuda_launch()) if static else None
-        if call is not None:
-            return Launcher(compiled, call, ())
         head = (compiled.function, bool(run.launch_cooperative_grid), bool(run.launch_pdl), None, None,
                 compiled.packed_metadata, None, None, None)
         return Launcher(compiled, run.launch, head)
     return Launcher(compiled, run, (compiled.function, compiled.packed_metadata, None, None, None))
-
-
-# Triton's scalar parameter types as torch's static launcher takes them; a kernel with a
-# parameter of another type keeps Triton's launcher.
-_STATIC_TYPES = {"i32": "i", "i64": "l", "u32": "I", "u64": "K", "fp32": "f", "f32": "f", "fp64": "d"}
-
-
-def static_parameters(compiled) -> tuple[list[int], str] | None:
-    """The positions, among a kernel's parameters, of those its binary takes (the constexprs,
-    None pointers and ints Triton specialized as constants among them, dropped) and their
-    types for torch's static launcher, Triton 3.6's two scratch pointers appended; None where
-    a parameter has a type that launcher does not take, or the kernel was compiled for more
-    than one CTA a program."""
-    src = getattr(compiled, "src", None)
-    names = getattr(getattr(src, "fn", None), "arg_names", None)
-    if names is None or getattr(compiled.metadata, "num_ctas", 1) != 1:
-        return None
-
-    def position(key) -> int:
-        if isinstance(key, tuple):
-            return key[0]
-        return names.index(key) if isinstance(key, str) else key
-
-    signature = {position(key): ty for key, ty in src.signature.items()}
-    constants = {position(key) for key in getattr(src, "constants", {})}
-    keep, types = [], []
-    for i in sorted(signature):
-        ty = signature[i]
-        if ty == "constexpr" or i in constants:
-            continue
-        code = "O" if ty.startswith("*") else _STATIC_TYPES.get(ty)
-        if code is None:
-            return None
-        keep.append(i)
-        types.append(code)
-    return keep, "".join(types) + "OO"
-
-
-def _static_call(compiled, launch: Callable | None) -> Callable | None:
-    """``call(gx, gy, gz, stream, *args)``, ``args`` every parameter of the Triton 3.6 kernel
-    ``compiled`` in order (constexprs included), that launches it through torch's static
-    launcher ``launch`` (``_torch_compat.static_cuda_launch``): one C call that parses the
-    arguments by a type string and calls ``cuLaunchKernel``, where Triton's C launch also
-    parses its launch metadata and releases the GIL around ``cuLaunchKernelEx``. None where
-    there is no such launcher, or the kernel needs what it does not do (a cooperative or
-    programmatic-dependent launch, clusters, a parameter type it does not take)."""
-    run = compiled.run
-    if launch is None or run.launch_cooperative_grid or run.launch_pdl:
-        return None
-    parameters = static_parameters(compiled)
-    if parameters is None or len(parameters[0]) < 2:  # itemgetter of one position returns no tuple
-        return None
-    pick, types = operator.itemgetter(*parameters[0]), parameters[1]
-    function, num_warps, shared = compiled.function, compiled.metadata.num_warps, compiled.metadata.shared
-
-    def call(gx: int, gy: int, gz: int, stream: int, *args) -> None:
-        launch(function, gx, gy, gz, num_warps, shared, types, (*pick(args), None, None), stream)
-
-    return call
 
 
 def specialization(args: list) -> tuple:
@@ -256,10 +189,7 @@ def run(kernel, device: torch.device, grid: tuple[int, ...], args: list, consts:
     key = (id(kernel), device.index, num_warps, *consts.values(), specialization(args))
     launcher = _COMPILED.get(key)
     if launcher is None:
-        from torch_rmsnorm_op.static_launch import static_launch_enabled
-
-        compiled = kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS)
-        _COMPILED[key] = _launcher(compiled, static=static_launch_enabled())
+        _COMPILED[key] = _launcher(kernel[grid](*args, **consts, num_warps=num_warps, **COMPILE_OPTIONS))
         return None
     # The compiled launcher takes every parameter in order, constexprs included.
     grid3 = grid + (1,) * (3 - len(grid))
