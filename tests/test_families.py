@@ -309,6 +309,42 @@ def test_patched_model_generates_the_unpatched_models_tokens(device, family):
     assert compiles.frame_count >= 1  # the static cache's steps ran the compiled forward
 
 
+def test_vision_language_model_with_an_image(device):
+    """Qwen2.5-VL on a prompt that holds an image: the vision tower's norms (over its patches,
+    rows with no batch dim, and its patch merger's) and the language model's, whose positions
+    are multimodal (M-RoPE), all run the kernels; logits and every parameter's gradient, the
+    vision tower's included, agree with the unpatched model's."""
+    if not hasattr(transformers, "Qwen2_5_VLForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen2_5_VLForConditionalGeneration")
+    torch.manual_seed(0)
+    text = dict(SMALL, vocab_size=160, num_hidden_layers=2,
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2]))
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=32, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, in_channels=3, window_size=16, fullatt_block_indexes=[1])
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=150,
+                                           video_token_id=151, vision_start_token_id=152)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(device)
+    with torch.no_grad():
+        for m in model.modules():
+            if type(m).__name__.endswith("RMSNorm"):
+                m.weight.uniform_(-1.0, 1.0)
+    reference = copy.deepcopy(model)
+    report = T.patch_rmsnorm(model)
+    assert len(report.swapped) == 10  # 2 text layers x 2 + final, 2 vision blocks x 2 + the merger's
+    gen = torch.Generator().manual_seed(1)
+    # One image of 8 x 8 patches, 4 x 4 pixels each over 2 frames, merged 2 x 2 into 16 tokens.
+    pixels = torch.randn(64, 3 * 2 * 4 * 4, generator=gen).to(device)
+    ids = torch.cat([torch.tensor([[1, 152]]), torch.full((1, 16), 150), torch.randint(0, 140, (1, 6), generator=gen)],
+                    dim=1).to(device)
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=torch.tensor([[1, 8, 8]], device=device))
+    want = _outputs_and_grads(lambda **kw: _output(reference, **kw), reference, inputs)
+    with T.fallback_policy("error"):
+        got = _outputs_and_grads(lambda **kw: _output(model, **kw), model, inputs)
+    _assert_close(got, want)
+    assert any(name.startswith("model.visual.") and "norm" in name for name in got[1])
+    assert T.dispatch_stats()["kernel"]["rmsnorm.fwd"] == 10
+
+
 # The survey: every RMSNorm class in the installed transformers, found in the source (nothing
 # imported at collection). Classes whose source is the same but for their name (most are
 # copies: 138 of Llama's) compute the same, so each distinct source is one case, run on the
