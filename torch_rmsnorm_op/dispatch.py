@@ -147,13 +147,11 @@ _PLANS: dict[tuple, Plan | str] = {}
 MAX_PLANS = 4096  # cleared when full, so that shapes that keep changing cannot grow it without bound
 
 
-def _cached(key: tuple, make) -> Plan | str:
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = make()
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[key] = plan
+def _keep(key: tuple, plan: Plan | str) -> Plan | str:
+    """Keep ``plan`` under ``key``, the kept plans cleared first when full."""
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
     return plan
 
 
@@ -167,42 +165,52 @@ def forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None = Non
     """The plan for the forward of ``x`` [..., N] (N >= 1; with ``residual``, of their sum)
     into a y of ``out_dtype`` (default: the sum's dtype), or why the kernels do not serve it.
     ``residual`` must have single-stride rows (callers copy it otherwise)."""
-    def make() -> Plan | str:
-        dtypes = (x.dtype, None if weight is None else weight.dtype, None if residual is None else residual.dtype)
-        reason = _reason(x, dtypes)
-        if reason is not None:
-            return reason
-        layout, copy_rows = _rows(x)
-        sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
-        n = int(x.shape[-1])
-        m = x.numel() // n
-        cfg = forward_config(n, sum_dtype, residual is not None, m, None if weight is None else weight.dtype)
-        cfg = with_early_weight(fit_to_rows(cfg, m, x.device), m, x.device)
-        return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd, copy_rows)
-
     if not _is_concrete(x):  # traced: sizes may be symbolic, nothing to keep
-        return make()
+        return _forward_plan(x, weight, residual, norm_dtype, weight_offset, store_rstd)
     key = ("fwd", x.device, x.dtype, x.shape, x.stride(), None if weight is None else weight.dtype,
            None if residual is None else (residual.dtype, row_stride(residual)), norm_dtype, weight_offset,
            store_rstd, out_dtype)  # a kept launch was compiled for y's dtype
-    return _cached(key, make)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _forward_plan(x, weight, residual, norm_dtype, weight_offset, store_rstd))
+    return plan
+
+
+def _forward_plan(x: Tensor, weight: Tensor | None, residual: Tensor | None, norm_dtype: torch.dtype | None,
+                  weight_offset: float, store_rstd: bool) -> Plan | str:
+    dtypes = (x.dtype, None if weight is None else weight.dtype, None if residual is None else residual.dtype)
+    reason = _reason(x, dtypes)
+    if reason is not None:
+        return reason
+    layout, copy_rows = _rows(x)
+    sum_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    n = int(x.shape[-1])
+    m = x.numel() // n
+    cfg = forward_config(n, sum_dtype, residual is not None, m, None if weight is None else weight.dtype)
+    cfg = with_early_weight(fit_to_rows(cfg, m, x.device), m, x.device)
+    return Plan(cfg, layout, m, n, ROUND_CODES[norm_dtype], float(weight_offset), store_rstd, copy_rows)
 
 
 def backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, *, weight_offset: float = 0.0,
                   dres_dtype: torch.dtype | None = None) -> Plan | str:
     """The plan for the backward over ``x`` [..., N] (N >= 1), or why the kernels do not serve it."""
-    def make() -> Plan | str:
-        reason = _reason(x, (x.dtype, None if weight is None else weight.dtype, dres_dtype, dy_dtype))
-        if reason is not None:
-            return reason
-        layout, copy_rows = _rows(x)
-        n = int(x.shape[-1])
-        m = x.numel() // n
-        return Plan(fit_to_rows(backward_config(n, x.dtype, m), m, x.device), layout, m, n,
-                    weight_offset=float(weight_offset), copy_rows=copy_rows)
-
     if not _is_concrete(x):
-        return make()
+        return _backward_plan(x, weight, dy_dtype, weight_offset, dres_dtype)
     key = ("bwd", x.device, x.dtype, x.shape, x.stride(), None if weight is None else weight.dtype, dy_dtype,
            dres_dtype, weight_offset)
-    return _cached(key, make)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _keep(key, _backward_plan(x, weight, dy_dtype, weight_offset, dres_dtype))
+    return plan
+
+
+def _backward_plan(x: Tensor, weight: Tensor | None, dy_dtype: torch.dtype, weight_offset: float,
+                   dres_dtype: torch.dtype | None) -> Plan | str:
+    reason = _reason(x, (x.dtype, None if weight is None else weight.dtype, dres_dtype, dy_dtype))
+    if reason is not None:
+        return reason
+    layout, copy_rows = _rows(x)
+    n = int(x.shape[-1])
+    m = x.numel() // n
+    return Plan(fit_to_rows(backward_config(n, x.dtype, m), m, x.device), layout, m, n,
+                weight_offset=float(weight_offset), copy_rows=copy_rows)

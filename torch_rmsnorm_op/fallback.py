@@ -43,7 +43,18 @@ _kernel_calls: Counter[str] = Counter()
 _fallback_calls: Counter[tuple[str, str]] = Counter()
 _compiled: Counter[str] = Counter()  # decisions taken while tracing a compiled graph
 _warned: set[str] = set()
-_thread = threading.local()  # ``probing``: this thread runs the library's own probes
+
+
+class _ThreadState(threading.local):
+    """Per thread: ``probing``, whether it runs the library's own probes. Every counted call
+    reads it; a class default, so that a thread that never set it reads it without the
+    ``AttributeError`` that ``getattr`` with a default raises and catches inside (the eager
+    call's host time, docs/performance.md)."""
+
+    probing = False
+
+
+_thread = _ThreadState()
 
 
 class FallbackError(RuntimeError):
@@ -106,7 +117,7 @@ def probing() -> Iterator[None]:
 
 
 def _probing() -> bool:
-    return getattr(_thread, "probing", False)
+    return _thread.probing
 
 
 def _counts_as_call_site() -> bool:
