@@ -2,6 +2,7 @@
 PyTorch's own OpInfo samples and error inputs, dtypes, gradients, and the module contract."""
 
 import contextlib
+import math
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ from tolerances import TOL, grad_tol
 from torch import nn
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op import ops
+from torch_rmsnorm_op import functional, ops
 
 # The samples of PyTorch's OpInfo for nn.functional.rms_norm (input shape,
 # normalized_shape, kwargs), with and without weight.
@@ -104,6 +105,35 @@ def test_integer_input_raises_not_implemented(device):
         T.rms_norm(torch.ones(2, 3, device=device), 3)
     with pytest.raises(TypeError, match="normalized_shape"):
         T.rms_norm(torch.ones(2, 3, device=device), (3.0,))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors", "ignore:Sparse CSR tensor support")
+def test_tensors_without_strided_rows_are_refused_by_name(device):
+    """Sparse, sparse-compressed and strided nested tensors (torch's own errors there name no
+    argument) are refused, naming the argument and the layout, before anything runs; a jagged
+    nested input is normalized."""
+    x = torch.randn(3, 8, device=device)
+    nested = torch.nested.nested_tensor([x[:1], x[1:]])  # layout=torch.strided
+    cases = [
+        (lambda: T.rms_norm(x.to_sparse(), (8,)), "rms_norm: input must be a strided tensor or a jagged nested "
+                                                  "tensor .*, got layout torch.sparse_coo"),
+        (lambda: T.rms_norm(x.to_sparse_csr(), (8,)), "input must be .*, got layout torch.sparse_csr"),
+        (lambda: T.rms_norm(nested, (8,)), "input must be .*, got a nested tensor of layout torch.strided"),
+        (lambda: T.rms_norm(x, (8,), torch.ones(8, device=device).to_sparse()),
+         "rms_norm: weight must be a strided tensor, got layout torch.sparse_coo"),
+        (lambda: T.add_rms_norm(x, x.to_sparse(), (8,)), "rmsnorm.add_fwd: residual must be a strided tensor"),
+        (lambda: torch.ops.rmsnorm.fwd(x.to_sparse(), None, 1e-6), "rmsnorm.fwd: x must be a strided tensor"),
+        (lambda: torch.ops.rmsnorm.bwd(x.to_sparse(), x, None, torch.ones(3, device=device)),
+         "rmsnorm.bwd: dy must be a strided tensor"),
+    ]
+    T.rms_norm(x[:1].expand(3, 8), (8,))  # a strided x whose strides are a sparse one's: (0, 0) for [1, 8]
+    T.reset_dispatch_stats()
+    for call, regex in cases:
+        with pytest.raises(T.RMSNormInputError, match=regex):
+            call()
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    jagged = torch.nested.nested_tensor([x[:1], x[1:]], layout=torch.jagged)
+    torch.testing.assert_close(T.rms_norm(jagged, (8,)).values(), F.rms_norm(x, (8,)), **TOL[torch.float32])
 
 
 @pytest.mark.parametrize("eps", ["1e-6", [1e-6], object()])
@@ -297,14 +327,20 @@ def test_cpu_autocast_matches_torch():
 
 def _dispatched(monkeypatch) -> list:
     """Record, for each forward ``rms_norm`` makes, whether it went through the dispatcher:
-    ``True`` when the op's registered implementation ran it, ``False`` when ``rms_norm`` did."""
-    calls, forward = [], ops.forward
+    ``True`` when the op's registered implementation ran it, ``False`` when ``rms_norm`` did
+    (through ``ops.forward``, or in one step for a kept call signature)."""
+    calls, forward, record_kernel = [], ops.forward, functional.record_kernel
 
     def spy(*args, **kwargs):
         calls.append(sys._getframe(1).f_code is ops._fwd.__code__)
         return forward(*args, **kwargs)
 
+    def lane_spy(op):  # rms_norm counts a call itself only when it launches it
+        calls.append(False)
+        return record_kernel(op)
+
     monkeypatch.setattr(ops, "forward", spy)
+    monkeypatch.setattr(functional, "record_kernel", lane_spy)
     return calls
 
 
@@ -355,6 +391,83 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
     assert calls[2:] == [True], case
     if y.dtype == want.dtype:
         assert torch.equal(y.detach(), want)
+
+
+def _op_forward(x, normalized_shape, w, eps=None, **keywords):
+    """``rms_norm``'s output computed through the dispatcher, over one normalized dim."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    return torch.ops.rmsnorm.fwd(x.detach().requires_grad_(), w, eps, **keywords)[0].detach()
+
+
+def test_a_kept_call_signature_serves_only_calls_that_match_it(device, monkeypatch):
+    """An eager call's signature (x's sizes, strides, dtype and device, ``normalized_shape``, the
+    weight's, eps, the keywords) is kept with what its calls launch with. Called after a first
+    call of each, every variant that differs in one of them gives the dispatched op's output bit
+    for bit, or raises what the contract raises; none goes through the dispatcher."""
+    x, w = torch.randn(6, 40, device=device), torch.randn(40, device=device)
+    wide = torch.randn(6, 48, device=device)
+    variants = {
+        "the first call": (x, (40,), w, 1e-6, {}),
+        "the same signature again": (x.clone(), (40,), w.clone(), 1e-6, {}),
+        "a list as normalized_shape": (x, [40], w, 1e-6, {}),
+        "rows 48 apart": (wide[:, :40], (40,), w, 1e-6, {}),
+        "columns 6 apart": (x.t().contiguous().t(), (40,), w, 1e-6, {}),
+        "one row repeated": (x[:1].expand(6, 40), (40,), w, 1e-6, {}),
+        "a misaligned view": (wide.flatten()[1:241].view(6, 40), (40,), w, 1e-6, {}),
+        "three dims": (x.view(2, 3, 40), (40,), w, 1e-6, {}),
+        "no weight": (x, (40,), None, 1e-6, {}),
+        "a bfloat16 weight": (x, (40,), w.bfloat16(), 1e-6, {}),
+        "a float16 x": (x.half(), (40,), w, 1e-6, {}),
+        "another eps": (x, (40,), w, 1e-2, {}),
+        "the default eps": (x, (40,), w, None, {}),
+        "an out_dtype": (x, (40,), w, 1e-6, {"out_dtype": torch.bfloat16}),
+        "a norm_dtype": (x, (40,), w, 1e-6, {"norm_dtype": torch.bfloat16}),
+        "a weight_offset": (x, (40,), w, 1e-6, {"weight_offset": 1.0}),
+    }
+    wants = {name: _op_forward(a.reshape(-1, 40), (40,), weight, eps, **keywords).view(a.shape)
+             for name, (a, shape, weight, eps, keywords) in variants.items()}
+    T.reset_dispatch_stats()
+    calls = _dispatched(monkeypatch)
+    for name, (a, shape, weight, eps, keywords) in variants.items():
+        for _ in range(2):  # the signature's first call keeps it; the second is served by it
+            y = T.rms_norm(a, shape, weight, eps, **keywords)
+            assert torch.equal(y, wants[name]), name
+            assert y.is_contiguous(), name
+    assert calls == [False] * 2 * len(variants)
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 2 * len(variants)}
+    with pytest.raises(T.RMSNormInputError, match="Expected weight to be of same shape"):
+        T.rms_norm(x, (40,), torch.randn(41, device=device), 1e-6)
+    with pytest.raises(T.RMSNormInputError, match="expected input with shape"):
+        T.rms_norm(torch.randn(6, 41, device=device), (40,), w, 1e-6)
+    with pytest.raises(T.RMSNormDTypeError, match="norm_dtype must be None or a real floating-point dtype"):
+        T.rms_norm(x, (40,), w, 1e-6, norm_dtype=torch.int32)
+    with pytest.raises(T.RMSNormInputError, match="input must be a strided tensor"):  # its strides: (0, 0)
+        T.rms_norm(x.to_sparse(), (40,), None, 1e-6)
+    assert calls == [False] * 2 * len(variants)
+
+
+def test_calls_the_kernels_do_not_serve_keep_their_own_path(device, monkeypatch):
+    """Signatures no kernel plan serves (complex, float64, several normalized dims, an empty
+    row) and arguments a signature does not keep (a tensor eps, a non-finite eps) are served as
+    before, each call: by the reference, counted as a fallback, or through the direct path."""
+    T.set_fallback_policy("reference")
+    x, w = torch.randn(3, 2, 8, device=device), torch.randn(2, 8, device=device)
+    cases = [
+        (lambda: T.rms_norm(x.double(), (8,), None, 1e-6), lambda: F.rms_norm(x.double(), (8,), None, 1e-6)),
+        (lambda: T.rms_norm(x.to(torch.complex64), (8,), None, 1e-6),
+         lambda: F.rms_norm(x.to(torch.complex64), (8,), None, 1e-6)),
+        (lambda: T.rms_norm(x, (2, 8), w, 1e-6), lambda: F.rms_norm(x, (2, 8), w, 1e-6)),
+        (lambda: T.rms_norm(x, (8,), w[0], torch.tensor(1e-6)), lambda: F.rms_norm(x, (8,), w[0], 1e-6)),
+        (lambda: T.rms_norm(x, (8,), w[0], math.inf), lambda: F.rms_norm(x, (8,), w[0], math.inf)),
+        (lambda: T.rms_norm(x[:, :, :0], (0,), None, 1e-6), lambda: F.rms_norm(x[:, :, :0], (0,), None, 1e-6)),
+    ]
+    for ours, torchs in cases:
+        for _ in range(2):
+            torch.testing.assert_close(ours(), torchs(), equal_nan=True, **TOL[torch.float32])
+    assert T.dispatch_stats()["fallback"] == {
+        "rmsnorm.fwd: x dtype torch.float64 (kernels serve float16, bfloat16, float32)": 2,
+        "rms_norm: complex dtype torch.complex64": 2}
+    assert T.dispatch_stats()["kernel"] == {"rmsnorm.fwd": 6}
 
 
 def test_profiler_sees_the_direct_call_as_the_op(device, monkeypatch):

@@ -61,15 +61,21 @@ def functorch_transform() -> str | None:
     return None
 
 
+# Bound once: this runs on every eager call.
+_any_autocast, _function_modes, _dispatch_modes, _jit_tracing = (
+    torch._C._is_any_autocast_enabled, torch._C._len_torch_function_stack, torch._C._len_torch_dispatch_stack,
+    torch._C._is_tracing)
+
+
 def dispatcher_has_nothing_to_do() -> bool:
     """No autocast, no torch function or dispatch mode, no torch.func transform (vmap
     included: its batched tensors look plain to Python), not recorded by ``torch.jit.trace``."""
     return (
-        not torch._C._is_any_autocast_enabled()
-        and torch._C._len_torch_function_stack() == 0
-        and torch._C._len_torch_dispatch_stack() == 0
+        not _any_autocast()
+        and _function_modes() == 0
+        and _dispatch_modes() == 0
         and peek_interpreter_stack() is None
-        and not torch._C._is_tracing()  # torch.jit.is_tracing() outside TorchScript
+        and not _jit_tracing()  # torch.jit.is_tracing() outside TorchScript
     )
 
 

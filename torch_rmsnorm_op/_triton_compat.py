@@ -211,8 +211,10 @@ def no_launch_hooks() -> bool:
     if _KNOBS is None:
         return False
     runtime = _KNOBS.runtime
-    return _empty_hook(runtime.launch_enter_hook) and _empty_hook(runtime.launch_exit_hook)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    # inline, not a helper per hook: this runs on every eager launch
+    return ((enter is None or (type(enter) is _HOOK_CHAIN and not enter.calls))
+            and (leave is None or (type(leave) is _HOOK_CHAIN and not leave.calls)))
 
 
-def _empty_hook(hook) -> bool:
-    return hook is None or (type(hook) is triton.knobs.HookChain and not hook.calls)
+_HOOK_CHAIN = getattr(_KNOBS, "HookChain", None)

@@ -32,6 +32,18 @@ def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _refuse_layout(op: str, name: str, t: Tensor, jagged: bool = False) -> None:
+    """Raise for ``t``, which is not a strided tensor (with ``jagged``, nor a jagged nested
+    one): sparse, sparse-compressed, MKL-DNN and strided nested tensors have no rows the
+    kernels or the reference can address. Callers test the layout inline (every call does)."""
+    also = " or a jagged nested tensor (layout=torch.jagged)" if jagged else ""
+    raise RMSNormInputError(f"{op}: {name} must be a strided tensor{also}, got {_layout(t)}")
+
+
+def _layout(t: Tensor) -> str:
+    return f"a nested tensor of layout {t.layout}" if t.is_nested else f"layout {t.layout}"
+
+
 def _check_real_float(name: str, t: Tensor, op: str) -> None:
     if not t.dtype.is_floating_point:
         raise RMSNormDTypeError(
@@ -65,6 +77,10 @@ def check_functional_args(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
             f"element, but got normalized_shape = {list(shape)}"
         )
+    if (input.layout != torch.strided or input.is_nested) and input.layout != torch.jagged:
+        _refuse_layout("rms_norm", "input", input, jagged=True)
+    if weight is not None and (weight.layout != torch.strided or weight.is_nested):
+        _refuse_layout("rms_norm", "weight", weight)
     dtype = input.dtype
     if not (dtype.is_floating_point or dtype.is_complex):
         raise RMSNormDTypeError(
@@ -113,6 +129,8 @@ def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype
                        out_dtype: torch.dtype | None = None, op: str = "rmsnorm.fwd") -> None:
     """Validate ``rmsnorm::fwd(x, weight, eps, norm_dtype=..., out_dtype=...)``: normalizes over
     x's last dim."""
+    if x.layout != torch.strided or x.is_nested:
+        _refuse_layout(op, "x", x)
     if x.dim() < 1:
         raise RMSNormInputError(f"{op}: x must have at least 1 dimension (the normalized one), got a 0-dim tensor")
     _check_real_float("x", x, op)
@@ -123,6 +141,8 @@ def check_forward_args(x: Tensor, weight: Tensor | None, norm_dtype: torch.dtype
 def check_residual_arg(x: Tensor, residual: Tensor, op: str = "rmsnorm.add_fwd") -> None:
     """``residual`` has x's shape and device and a real floating-point dtype (they are added as
     torch adds them, no broadcast)."""
+    if residual.layout != torch.strided or residual.is_nested:
+        _refuse_layout(op, "residual", residual)
     if residual.device != x.device:
         raise RMSNormInputError(f"{op}: residual must be on x's device (residual: {residual.device}, x: {x.device})")
     if residual.shape != x.shape:
@@ -150,6 +170,8 @@ def check_norm_add_args(x: Tensor, residual: Tensor, x_weight: Tensor | None, we
 def _check_weight(op: str, x: Tensor, weight: Tensor | None, name: str = "weight") -> None:
     if weight is None:
         return
+    if weight.layout != torch.strided or weight.is_nested:
+        _refuse_layout(op, name, weight)
     if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise RMSNormInputError(
             f"{op}: {name} must have shape [N] = [{x.shape[-1]}] (x's last dim), got {_shape(weight)}"
@@ -170,6 +192,8 @@ def check_backward_args(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tens
     for name, t in (("dy", dy), ("dresidual_out", dresidual_out)):
         if t is None:
             continue
+        if t.layout != torch.strided or t.is_nested:
+            _refuse_layout(op, name, t)
         if t.device != x.device:
             raise RMSNormInputError(f"{op}: {name} must be on x's device ({name}: {t.device}, x: {x.device})")
         if t.shape != x.shape:

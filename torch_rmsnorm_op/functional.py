@@ -5,22 +5,28 @@ In eager code where the dispatcher has nothing to add (no gradient to record, no
 mode, transform, subclass, ``torch.jit.trace``), both call the ops' implementation directly:
 the dispatcher's Python kernels cost more host time than the kernel launch itself, and since
 nothing will read rstd, the kernels do not write it. The same outputs, bit for bit. Under
-``torch.profiler`` such a call is recorded as the op it stands for.
+``torch.profiler`` such a call is recorded as the op it stands for. ``rms_norm`` also keeps
+each such call's signature with its plan and launch (``_SIGNATURES``), so that a repeated call
+checks only what can change between calls with the same signature.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from torch_rmsnorm_op import _torch_compat, ops, reference
+from torch_rmsnorm_op import _torch_compat, dispatch, ops, reference
 from torch_rmsnorm_op.contract import check_dtype_args, check_eps, check_functional_args, check_residual_arg
-from torch_rmsnorm_op.fallback import record_fallback
+from torch_rmsnorm_op.dispatch import Plan
+from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 
 _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
+_profiler_enabled = torch._C._autograd._profiler_enabled
+_forward_ad = torch.autograd.forward_ad
 
 
 def _transform_reason() -> str | None:
@@ -30,7 +36,7 @@ def _transform_reason() -> str | None:
     transform = _torch_compat.functorch_transform()
     if transform is not None:
         return f"torch.func transform {transform}"
-    if torch.autograd.forward_ad._current_level >= 0:
+    if _forward_ad._current_level >= 0:
         return "forward-mode AD"
     return None
 
@@ -66,9 +72,102 @@ def _flatten(input: Tensor, shape: tuple[int, ...], weight: Tensor | None) -> tu
     return input.reshape(*input.shape[: input.dim() - len(shape)], n), None if weight is None else weight.reshape(n)
 
 
+class _Signature(NamedTuple):
+    """What the eager calls of one signature launch with, decided at its first call."""
+
+    plan: Plan
+    eps: float
+    out_dtype: torch.dtype | None  # None: y is torch.empty_like(x) (x contiguous, y of x's dtype)
+    launch: Callable[[Plan, Tensor, Tensor | None, float, Tensor], None]  # launch.forward_norm_only
+
+
+# rms_norm's eager call signatures: x's sizes, strides, dtype and device; normalized_shape;
+# the weight's; eps and the keywords. A signature fixes what the contract checks and what the
+# plan depends on, so a call whose signature is kept runs no checks but the per-call state's.
+# None: the general path serves the signature (its checks raise, or no kernel serves it).
+_SIGNATURES: dict[tuple, _Signature | None] = {}
+MAX_SIGNATURES = 4096  # cleared when full, as dispatch's plans are
+_MISSING = object()
+
+
+def _kept_signature(x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
+                    weight_offset: float | None, norm_dtype: torch.dtype | None,
+                    out_dtype: torch.dtype | None) -> _Signature | None:
+    """The kept signature of an eager ``rms_norm`` call the dispatcher has nothing to add to
+    (``_nothing_to_dispatch``), made at its first call; None where the general path serves the
+    call. Unhashable or unusual arguments (a tensor eps, a non-finite one) take the general
+    path, which checks them."""
+    if type(x) is not Tensor or x.is_nested or x.layout is not torch.strided or x.is_neg():
+        return None
+    grad = torch.is_grad_enabled()
+    if grad and x.requires_grad:
+        return None
+    if type(normalized_shape) is list:
+        normalized_shape = tuple(normalized_shape)
+    if weight is None:
+        key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype)
+    elif (type(weight) in _PLAIN_WEIGHT_TYPES and weight.layout is torch.strided and not weight.is_neg()
+          and not (grad and weight.requires_grad)):
+        key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype,
+               weight.shape, weight.stride(), weight.dtype, weight.device)
+    else:
+        return None
+    if not _torch_compat.dispatcher_has_nothing_to_do() or _forward_ad._current_level >= 0:
+        return None
+    try:
+        signature = _SIGNATURES.get(key, _MISSING)
+    except TypeError:  # an unhashable argument
+        return None
+    if signature is _MISSING:
+        return _signature(key, x, normalized_shape, weight, eps, weight_offset, norm_dtype, out_dtype)
+    return signature
+
+
+def _signature(key: tuple, x: Tensor, normalized_shape: Sequence[int], weight: Tensor | None, eps: float | None,
+               weight_offset: float | None, norm_dtype: torch.dtype | None,
+               out_dtype: torch.dtype | None) -> _Signature | None:
+    """What the calls of ``key``'s signature launch with, kept for its later calls; None where
+    the general path serves them. Arguments the contract rejects raise its errors here, as
+    the general path would, before anything is written."""
+    shape = check_functional_args(x, normalized_shape, weight)
+    plain = (
+        all(type(s) is int for s in shape)
+        and (eps is None or (type(eps) in (int, float) and math.isfinite(eps)))
+        and (weight_offset is None or (type(weight_offset) in (int, float) and math.isfinite(weight_offset)))
+        and all(d is None or type(d) is torch.dtype for d in (norm_dtype, out_dtype))
+    )
+    if not plain:  # not kept: such keys could hold any object
+        return None
+    check_dtype_args(norm_dtype, out_dtype)
+    signature = None
+    n = shape[0] if len(shape) == 1 else 0
+    if n > 0 and x.numel() > 0 and not x.is_complex() and (weight is None or weight.is_contiguous()):
+        plan = dispatch.forward_plan(x, weight, norm_dtype=norm_dtype, weight_offset=weight_offset or 0.0,
+                                     store_rstd=False, out_dtype=out_dtype)
+        if type(plan) is not str and not plan.copy_rows:
+            eps = reference.default_eps(x.dtype) if eps is None else eps
+            y_dtype = out_dtype or x.dtype
+            keeps_layout = y_dtype == x.dtype and x.stride() == _contiguous_strides(x.shape)
+            signature = _Signature(plan, float(eps), None if keeps_layout else y_dtype,
+                                   ops.launch_module().forward_norm_only)
+    if len(_SIGNATURES) >= MAX_SIGNATURES:
+        _SIGNATURES.clear()
+    _SIGNATURES[key] = signature
+    return signature
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, as torch gives them."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _direct(op: str, run):
     """Run an eager shortcut, named ``op`` in profiler traces."""
-    if torch._C._autograd._profiler_enabled():
+    if _profiler_enabled():
         with torch.profiler.record_function(op):
             return run()
     return run()
@@ -114,6 +213,20 @@ def rms_norm(
     dtype).
 
     A jagged nested tensor is normalized over dims after its ragged one, as by ``F.rms_norm``."""
+    signature = None if torch.compiler.is_compiling() else _kept_signature(
+        input, normalized_shape, weight, eps, weight_offset, norm_dtype, out_dtype)
+    if signature is not None:  # the eager lane: allocate, count, launch
+        if signature.out_dtype is None:
+            y = torch.empty_like(input)
+        else:
+            y = torch.empty_like(input, dtype=signature.out_dtype, memory_format=torch.contiguous_format)
+        record_kernel("rmsnorm.fwd")
+        if _profiler_enabled():
+            with torch.profiler.record_function("rmsnorm::fwd"):
+                signature.launch(signature.plan, input, weight, signature.eps, y)
+        else:
+            signature.launch(signature.plan, input, weight, signature.eps, y)
+        return y
     shape = check_functional_args(input, normalized_shape, weight)
     # A float default (or a float attribute) would reach torch.compile as a graph input of its
     # own; None, and an int, stay constants.

@@ -227,6 +227,25 @@ def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: 
     return True
 
 
+def forward_norm_only(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: Tensor) -> None:
+    """``forward(plan, x, weight, eps, y, None)``, a forward without residual or rstd (an eager
+    ``rms_norm``'s), through the launch the plan kept where ``replay_forward``'s conditions hold:
+    the same launch with fewer arguments to look at."""
+    launcher = plan.launcher
+    if launcher is not None:
+        xp, yp = x.data_ptr(), y.data_ptr()
+        wp = None if weight is None else weight.data_ptr()
+        index = x.get_device()
+        # torch._C._cuda_getDevice(): torch.cuda.current_device() without its lazy-init check (a
+        # plan's launcher means CUDA is up)
+        if not (xp | yp | (wp or 0)) & 15 and index == torch._C._cuda_getDevice() and _triton_compat.no_launch_hooks():
+            grid3, sizes, tail = plan.replay
+            launcher.call(*grid3, _triton_compat.current_stream(index), *launcher.head, xp, None, wp, yp, None, None,
+                          *sizes, eps, *tail)
+            return
+    forward(plan, x, weight, eps, y, None)
+
+
 def _known(cond) -> bool:
     """A size comparison: its value when the sizes are ints; under tracing with symbolic sizes,
     True only where provable (no guard is added)."""

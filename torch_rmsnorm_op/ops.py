@@ -58,7 +58,7 @@ from torch_rmsnorm_op.layout import row_stride
 
 
 @functools.cache
-def _launch():
+def launch_module():
     """``launch.py``, imported on first use: it imports Triton, which importing the package need not."""
     from torch_rmsnorm_op import launch
 
@@ -119,8 +119,8 @@ def forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float =
     if n == 0:  # nothing to normalize; the mean of an empty row is NaN, as in torch
         return y, None if h is None else h.copy_(x + residual), rstd.fill_(math.nan)
     w = None if weight is None else weight.contiguous()
-    if traced or plan.launcher is None or not _launch().replay_forward(plan, x, w, eps, y, rstd, residual, h):
-        _launch().forward(plan, x, w, eps, y, rstd, residual, h, traced=traced)
+    if traced or plan.launcher is None or not launch_module().replay_forward(plan, x, w, eps, y, rstd, residual, h):
+        launch_module().forward(plan, x, w, eps, y, rstd, residual, h, traced=traced)
     return y, h, rstd
 
 
@@ -157,12 +157,13 @@ def forward_norm_add(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps
                     for t in (sum_dtype, x.dtype))
     x_weight = None if x_weight is None else x_weight.contiguous()
     weight = None if weight is None else weight.contiguous()
-    if _launch().norm_add_fuses(plan, sum_plan, x, residual):
-        _launch().forward_norm_add(plan, x, residual, x_weight, weight, x_eps, eps, y, h, rstd, x_rstd, traced=traced)
+    if launch_module().norm_add_fuses(plan, sum_plan, x, residual):
+        launch_module().forward_norm_add(plan, x, residual, x_weight, weight, x_eps, eps, y, h, rstd, x_rstd,
+                                         traced=traced)
     else:
         x_normed = _like(x, x.dtype)
-        _launch().forward(plan, x, x_weight, x_eps, x_normed, x_rstd, traced=traced)
-        _launch().forward(sum_plan, residual, weight, eps, y, rstd, x_normed, h, traced=traced)
+        launch_module().forward(plan, x, x_weight, x_eps, x_normed, x_rstd, traced=traced)
+        launch_module().forward(sum_plan, residual, weight, eps, y, rstd, x_normed, h, traced=traced)
     return y, h, rstd, x_rstd
 
 
@@ -210,8 +211,8 @@ def backward(dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, weight_
         dy = dy.contiguous()
     if dresidual_out is not None and row_stride(dresidual_out) is None:
         dresidual_out = dresidual_out.contiguous()
-    _launch().backward(plan, dy, x, None if weight is None else weight.contiguous(), rstd.contiguous(), dx, dweight,
-                    dresidual_out, traced=traced)
+    launch_module().backward(plan, dy, x, None if weight is None else weight.contiguous(), rstd.contiguous(), dx,
+                             dweight, dresidual_out, traced=traced)
     return dx, dweight
 
 
@@ -260,7 +261,7 @@ def _before_compiling(op: str) -> None:
     (``static_launch.install``, as patching sets it), for graphs that call the ops directly."""
     from torch_rmsnorm_op import static_launch
 
-    _launch().register_kernels_for_cache_key(op)
+    launch_module().register_kernels_for_cache_key(op)
     static_launch.install()
 
 
