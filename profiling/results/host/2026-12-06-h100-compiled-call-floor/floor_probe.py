@@ -1,7 +1,7 @@
 """The per-call floor of a compiled call against a CUDA-graph replay, at 128x257 fp32, no grad.
 
-Rows, timed in interleaved windows (31 windows of 200 back-to-back calls, each window ending on
-a synchronize; medians, µs a call):
+Rows, timed in interleaved windows (``benchmark.calls_us``: 31 windows of 200 back-to-back
+calls, each window ending on a synchronize; medians, µs a call):
 - ``torch.cuda.CUDAGraph`` replay of our eager ``rms_norm`` call;
 - ``torch.compile`` with a backend that returns a precomputed output (the frame's guards and
   Dynamo's call, nothing else), for ``rms_norm``, ``F.rms_norm`` and ``x * 2``;
@@ -13,15 +13,13 @@ Run on a CUDA machine: ``python floor_probe.py > DIR/floor.json``.
 """
 
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op.tools.benchmark import cuda_graph
+from torch_rmsnorm_op.tools.benchmark import calls_us, cuda_graph
 
 EPS, M, N = 1e-6, 128, 257
 WINDOWS, CALLS = 31, 200
@@ -58,22 +56,10 @@ def main() -> None:
                 compiled(arg)
         skips[name] = counters["inductor"]["cudagraph_skips"]
         calls[f"reduce-overhead: {name}"] = lambda compiled=compiled, arg=arg: compiled(arg)
-    samples = {name: [] for name in calls}
-    with torch.no_grad():
-        for fn in calls.values():
-            for _ in range(20):
-                fn()
-        for _ in range(WINDOWS):
-            for name, fn in calls.items():
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(CALLS):
-                    fn()
-                torch.cuda.synchronize()
-                samples[name].append((time.perf_counter() - t0) / CALLS * 1e6)
+    per_call = calls_us(calls, calls=CALLS, windows=WINDOWS)
     print(json.dumps({
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": f"{M}x{N} float32",
-        "call_us": {name: round(statistics.median(v), 2) for name, v in samples.items()},
+        "call_us": {name: round(us, 2) for name, us in per_call.items()},
         "cudagraph_skips": skips,
     }, indent=1))
 
