@@ -206,9 +206,13 @@ def test_cpu_graph_without_the_interpreter_compiles_the_reference():
     import json
 
     result = json.loads(_run_python(_CPU_WITHOUT_INTERPRETER, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1"))
-    # Four norms after a residual add (the first reads the embeddings: Inductor's own, fused).
-    assert result["stats"] == {"kernel": {}, "fallback": {}, "compiled": {f"rmsnorm.add_fwd: {_CPU_REASON}": 4,
-                                                                         f"rmsnorm.add_bwd: {_CPU_REASON}": 4}}
+    # Three norms after a residual add of stored tensors take add_fwd and add_bwd; the second
+    # norm, of the embeddings plus the attention's output, has Inductor's forward and add_bwd;
+    # the first, of the embeddings, is Inductor's both ways.
+    assert result["stats"] == {"kernel": {}, "fallback": {}, "compiled": {f"rmsnorm.add_fwd: {_CPU_REASON}": 3,
+                                                                         f"rmsnorm.add_bwd: {_CPU_REASON}": 4},
+                               "sites": {"forward inductor, backward inductor": 1,
+                                         "forward inductor, backward ours": 1, "forward ours, backward ours": 3}}
     assert not result["calls_an_op"]
 
 
@@ -240,7 +244,7 @@ def test_cpu_graphs_with_and_without_the_interpreter_are_cached_apart(tmp_path):
     first = run("plain")
     assert first["stats"]["compiled"] == {f"rmsnorm.fwd: {_CPU_REASON}": 1, f"rmsnorm.bwd: {_CPU_REASON}": 1}
     interpreted = run("interpreted")
-    assert interpreted["stats"] == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
+    assert interpreted["stats"] == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}, "sites": {}}
     assert interpreted["hits"] == 0
     assert run("plain")["hits"] == 1
 

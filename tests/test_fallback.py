@@ -51,14 +51,14 @@ def test_error_policy_raises_before_any_output(device):
         with pytest.raises(T.FallbackError, match=r"float64.*set_fallback_policy\('reference'\)"):
             T.rms_norm(x, (8,), w)
     assert T.get_fallback_policy() == "warn"  # the context manager restored it
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}, "sites": {}}
 
 
 def test_kernel_path_is_counted(device):
     with T.fallback_policy("error"):
         x = torch.randn(4, 16, device=device, requires_grad=True)
         T.rms_norm(x, (16,), None).sum().backward()
-    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1, "rmsnorm.bwd": 1}, "fallback": {}, "compiled": {}, "sites": {}}
 
 
 def test_probing_scopes_the_policy_and_the_counts_to_its_own_thread(device):
@@ -91,7 +91,7 @@ def test_probing_scopes_the_policy_and_the_counts_to_its_own_thread(device):
             release.set()
             thread.join()
     assert seen["policy"] == "reference"
-    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {"rmsnorm.fwd": 1}, "fallback": {}, "compiled": {}, "sites": {}}
 
 
 @pytest.mark.parametrize("make", [

@@ -131,7 +131,7 @@ def test_tensors_without_strided_rows_are_refused_by_name(device):
     for call, regex in cases:
         with pytest.raises(T.RMSNormInputError, match=regex):
             call()
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}, "sites": {}}
     jagged = torch.nested.nested_tensor([x[:1], x[1:]], layout=torch.jagged)
     torch.testing.assert_close(T.rms_norm(jagged, (8,)).values(), F.rms_norm(x, (8,)), **TOL[torch.float32])
 
@@ -167,7 +167,7 @@ def test_op_contract_errors(device):
     for call, regex in cases:
         with pytest.raises(T.RMSNormInputError, match=regex):
             call()
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}  # rejected before anything ran
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}, "sites": {}}  # rejected before anything ran
 
 
 @pytest.mark.parametrize("path", ["direct", "dispatched"])
@@ -194,7 +194,7 @@ def test_keyword_dtypes_and_residual_errors_on_either_path(device, path):
     for call, error, regex in cases:
         with pytest.raises(error, match=regex):
             call()
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}, "sites": {}}
 
 
 def test_input_made_under_inference_mode_trains_the_weight(device):

@@ -276,7 +276,7 @@ def test_patching_counts_none_of_the_probes_calls(device):
     T.reset_dispatch_stats()
     report = T.patch_rmsnorm(model)
     assert len(report.swapped) == 4, report
-    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}}
+    assert T.dispatch_stats() == {"kernel": {}, "fallback": {}, "compiled": {}, "sites": {}}
     x = torch.randn(3, 16, device=device)
     with T.fallback_policy("error"):
         model(x)

@@ -17,6 +17,7 @@ from torch_rmsnorm_op.fallback import (
 )
 from torch_rmsnorm_op.functional import add_rms_norm, rms_norm
 from torch_rmsnorm_op.module import RMSNorm
+from torch_rmsnorm_op.passes import inductor_passes_installed, install_inductor_passes, uninstall_inductor_passes
 from torch_rmsnorm_op.patch import (
     PatchedGatedRMSNorm,
     PatchedRMSNorm,
@@ -38,11 +39,14 @@ __all__ = [
     "dispatch_stats",
     "fallback_policy",
     "get_fallback_policy",
+    "inductor_passes_installed",
+    "install_inductor_passes",
     "patch_rmsnorm",
     "patched_rmsnorm",
     "reset_dispatch_stats",
     "rms_norm",
     "set_fallback_policy",
+    "uninstall_inductor_passes",
     "unpatch_rmsnorm",
 ]
 __version__ = "0.1.0"

@@ -15,16 +15,19 @@ the job. Checked on torch 2.11 and 2.13.
 - ``triton_kernel_wrapper_functional()``, ``traced_triton_kernel(idx)``,
   ``constant_args(idx)`` and ``with_constant_args(idx, **more)``: the node a traced Triton
   launch is in a post-grad graph, the kernel it launches, and its constant arguments, as they
-  are and with changes (the kernel side table), for ``fusion.fuse_gradient_sums``;
-- ``compile_workers_running()``: whether Inductor's compile worker processes have started
-  (its set of pools), for ``static_launch.install``;
+  are and with changes (the kernel side table), for ``post_grad.fuse_gradient_sums``;
 - ``aot_compiling()``: whether AOTInductor is compiling a package (Inductor's
   ``V.aot_compilation``), where a CPU graph cannot keep an op that calls back into Python;
 - ``inductor_cache_dir()``: Inductor's on-disk cache directory, where its kernels and their
   autotuned configurations (``*.best_config``) are kept;
 - ``jagged_layout(t)``: a jagged nested tensor's ragged dim and its cached sequence lengths,
   which ``torch.nested.nested_tensor_from_jagged`` takes back when ``rms_norm`` rewraps its
-  normalized values.
+  normalized values;
+- ``inductor_config()`` and ``custom_graph_pass_class()``: the options the library's passes are
+  installed in, and the base class of a cacheable pass (``passes.install_inductor_passes``);
+- ``higher_order_call(target)``: whether a graph node calls a higher-order op or an autograd
+  function, and ``unrolled_reduction_limit()``: the reductions Inductor unrolls into their
+  reader (the compile rule's vocabulary, ``passes/graph.py``).
 """
 
 from __future__ import annotations
@@ -38,17 +41,20 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 __all__ = [
     "FunctionalTensorMode",
     "aot_compiling",
-    "compile_workers_running",
     "constant_args",
     "decomposing_custom_triton_ops",
     "dispatcher_has_nothing_to_do",
     "functorch_transform",
     "inductor_cache_dir",
+    "custom_graph_pass_class",
+    "higher_order_call",
+    "inductor_config",
     "jagged_layout",
     "recording_graph",
     "register_triton_kernels",
     "traced_triton_kernel",
     "triton_kernel_wrapper_functional",
+    "unrolled_reduction_limit",
     "with_constant_args",
 ]
 
@@ -127,13 +133,6 @@ def with_constant_args(constant_args_idx: int, drop: tuple[str, ...] = (), **mor
     return kernel_side_table.add_constant_args({**kept, **more})
 
 
-def compile_workers_running() -> bool:
-    """Whether Inductor has started compile worker processes in this process (False where this
-    torch does not say)."""
-    async_compile = sys.modules.get("torch._inductor.async_compile")  # not imported: none started
-    return bool(getattr(async_compile, "_pool_set", ()))
-
-
 def aot_compiling() -> bool:
     """Whether AOTInductor is compiling a package (``aoti_compile_and_package``) right now."""
     virtualized = sys.modules.get("torch._inductor.virtualized")  # not imported: nothing compiles
@@ -151,3 +150,33 @@ def jagged_layout(t: torch.Tensor) -> tuple[int, int | None, int | None]:
     """A jagged nested tensor's ragged dim and its cached minimum and maximum sequence lengths
     (None where not cached)."""
     return t._ragged_idx, t._maybe_min_seqlen, t._maybe_max_seqlen
+
+
+def inductor_config():
+    """Inductor's config module (``torch._inductor.config``), whose options the library's
+    passes are installed in (``passes.install_inductor_passes``)."""
+    from torch._inductor import config
+
+    return config
+
+
+def custom_graph_pass_class() -> type:
+    """Inductor's ``CustomGraphPass``, the base of a pass with a ``uuid()`` for its caches."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    return CustomGraphPass
+
+
+def higher_order_call(target: object) -> bool:
+    """Whether a node of Dynamo's graph calling ``target`` calls a higher-order op or an
+    autograd function (Dynamo records ``Function.apply`` as a call of its
+    ``trampoline_autograd_apply``, which runs the ``autograd_function_apply`` higher-order op)."""
+    from torch._ops import HigherOrderOperator
+
+    return isinstance(target, HigherOrderOperator) or getattr(target, "__name__", None) == "trampoline_autograd_apply"
+
+
+def unrolled_reduction_limit() -> int:
+    """The element count up to which Inductor unrolls a reduction into the kernel that reads its
+    result (``unroll_reductions_threshold``)."""
+    return int(inductor_config().unroll_reductions_threshold)

@@ -219,7 +219,7 @@ BWD_LADDER = (
     # 85.6%); do_bench: 82.0% against 80.3% reading them once (bwd-reload.json)
     (16384, 16384, 16, dict(counted_loop=True, reload=True)),
 )
-# A 2-byte backward launch whose dy sums 2 to 5 gradient tensors (fusion.fuse_gradient_sums;
+# A 2-byte backward launch whose dy sums 2 to 5 gradient tensors (post_grad.fuse_gradient_sums;
 # launch.summed_gradient_consts), by BLOCK_N: (2 terms, 3 or more terms), each (rows per tile, at most the
 # launch's own; the row loop's stages). Elsewhere such a launch halves its rows per tile, which leaves
 # registers for the terms' loads, and keeps its stages. The grid, and so the dweight partials, stay the

@@ -42,6 +42,7 @@ _policy: str | None = None  # set explicitly; None means "environment, else defa
 _kernel_calls: Counter[str] = Counter()
 _fallback_calls: Counter[tuple[str, str]] = Counter()
 _compiled: Counter[str] = Counter()  # decisions taken while tracing a compiled graph
+_sites: Counter[str] = Counter()  # the compile rule's choices, one per norm of a graph Inductor compiles
 _warned: set[str] = set()
 
 
@@ -172,6 +173,14 @@ def record_fallback(op: str, reason: str, compiled: bool = False) -> None:
         )
 
 
+def record_site(forward: str, backward: str) -> None:
+    """Count one norm of a graph Inductor compiles with the library's passes, by who runs its
+    forward and its backward (``"ours"``, ``"inductor"``; backward ``"none"`` where nothing
+    differentiates it)."""
+    with _lock:
+        _sites[f"forward {forward}, backward {backward}"] += 1
+
+
 # Frames of this package and of torch (the dispatcher's Python, nn.Module's call) between the
 # user's line and record_fallback: a warning points past them.
 _INTERNAL = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (__file__, torch.__file__))
@@ -188,15 +197,19 @@ def _caller_stacklevel() -> int:
 
 def dispatch_stats() -> dict[str, dict[str, int]]:
     """Counts since the last reset: ``{"kernel": {op: n}, "fallback": {"op: reason": n},
-    "compiled": {"op: kernel" or "op: reference (reason)": n}}``. ``kernel`` and ``fallback``
-    count calls that ran; ``compiled`` counts the call sites of compiled graphs, decided once
-    while the graph was traced (the graph then launches the kernels, or runs the reference's
-    operations, on every call without counting them)."""
+    "compiled": {"op: kernel" or "op: reference (reason)": n}, "sites": {"forward f, backward
+    b": n}}``. ``kernel`` and ``fallback`` count calls that ran; ``compiled`` counts the call
+    sites of compiled graphs, decided once while the graph was traced (the graph then launches
+    the kernels, or runs the reference's operations, on every call without counting them);
+    ``sites`` counts the norms of graphs Inductor compiled with the library's passes by the
+    compile rule's choice (``passes/rule.py``): a norm whose forward and backward are
+    ``inductor`` runs Inductor's fused kernels and no op of ours."""
     with _lock:
         return {
             "kernel": dict(_kernel_calls),
             "fallback": {f"{op}: {reason}": n for (op, reason), n in _fallback_calls.items()},
             "compiled": dict(_compiled),
+            "sites": dict(_sites),
         }
 
 
@@ -206,4 +219,5 @@ def reset_dispatch_stats() -> None:
         _kernel_calls.clear()
         _fallback_calls.clear()
         _compiled.clear()
+        _sites.clear()
         _warned.clear()

@@ -207,9 +207,9 @@ def rms_norm(
     take the reference path.
 
     The keyword-only arguments serve the RMSNorm variants of model families: the normalized
-    row is rounded to ``norm_dtype`` before the weight multiplies it (Llama casts it back to
-    the input dtype first); the weight scales as ``weight + weight_offset`` in fp32 (Gemma's
-    ``1 + weight``; None is no offset); the result has ``out_dtype`` (default: the input's
+    row is rounded to ``norm_dtype`` before the weight multiplies it (a norm that casts it back
+    to the input dtype first); the weight scales as ``weight + weight_offset`` in fp32 (a norm
+    that scales by ``1 + weight``; None is no offset); the result has ``out_dtype`` (default: the input's
     dtype).
 
     A jagged nested tensor is normalized over dims after its ragged one, as by ``F.rms_norm``."""

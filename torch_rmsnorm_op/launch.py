@@ -152,8 +152,8 @@ def norm_add_fuses(plan: Plan, sum_plan: Plan, x: Tensor, residual: Tensor) -> b
       in the two kernels (on CUDA, x's rows 40 elements apart beside a contiguous residual's
       33 gave another y);
     - x has a 2-byte dtype, and its norm is rounded to it only after its weight (no
-      ``norm_dtype``), or, for bf16 x, also before it (``norm_dtype=bfloat16``, the Llama
-      family's order), where the kernel rounds the product by integer operations
+      ``norm_dtype``), or, for bf16 x, also before it (``norm_dtype=bfloat16``, the cast back
+      to the input dtype most Hugging Face norms make), where the kernel rounds the product by integer operations
       (``kernels.common._bf16_exact``). Rounded by a cast, the product of two bf16 values met
       the add in one fused multiply-add where the two kernels round it first (on CUDA a quarter
       of the sums differed in their last place); fp16 x with ``norm_dtype`` has no such
@@ -327,14 +327,14 @@ def dweight_column_rows(cfg: KernelConfig, m: int) -> int:
 
 # The most tensors a backward launch sums into its gradient (the kernels' DY ... DY5).
 MAX_DY_TERMS = 5
-# The most a compiled graph's launch of 4-byte gradients is handed (fusion.fuse_gradient_sums):
+# The most a compiled graph's launch of 4-byte gradients is handed (post_grad.fuse_gradient_sums):
 # fp32 tiles hold twice the bytes, and with 4 or 5 terms the N = 8,192 rung spilled 236-292
 # registers (3 terms: 34-70).
 MAX_DY_TERMS_FP32 = 3
 
 
 def max_dy_terms(elem_bytes: int) -> int:
-    """The most gradient terms ``fusion.fuse_gradient_sums`` hands a backward launch of
+    """The most gradient terms ``post_grad.fuse_gradient_sums`` hands a backward launch of
     ``elem_bytes``-byte gradients."""
     return MAX_DY_TERMS if elem_bytes <= 2 else MAX_DY_TERMS_FP32
 
@@ -383,7 +383,7 @@ def backward(plan: Plan, dy: Tensor, x: Tensor, weight: Tensor | None, rstd: Ten
     ``workspace`` is the dweight scratch (``backward_workspace``), allocated when None.
     ``dy_terms``: up to ``MAX_DY_TERMS - 1`` more tensors of dy's dtype and strides; the
     gradient is then their sum with dy, in fp32, in order, rounded once to dy's dtype (what the
-    backward of a norm whose output feeds several ops receives; ``fusion.fuse_gradient_sums``
+    backward of a norm whose output feeds several ops receives; ``post_grad.fuse_gradient_sums``
     passes them)."""
     if len(dy_terms) >= MAX_DY_TERMS or any(t.dtype != dy.dtype or t.stride() != dy.stride() for t in dy_terms):
         raise ValueError(f"dy_terms: at most {MAX_DY_TERMS - 1} tensors, of dy's dtype and strides")

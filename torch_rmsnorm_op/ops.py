@@ -13,12 +13,12 @@
         -> (Tensor y, Tensor residual_out, Tensor rstd, Tensor x_rstd)
 
 Per row of the last dim: ``rstd = 1 / sqrt(mean(x**2) + eps)``; ``y = round(x * rstd) *
-(weight + weight_offset)``, where ``round`` rounds to ``norm_dtype`` when it is given (Llama's
+(weight + weight_offset)``, where ``round`` rounds to ``norm_dtype`` when it is given (a norm's
 cast back to the input dtype before the weight); ``y`` has ``out_dtype`` (default: x's dtype).
 ``add_fwd`` normalizes ``residual_out = x + residual`` (in their promoted dtype, as torch adds
 them) and returns it; ``add_bwd`` adds ``dresidual_out`` (the gradient that reached
 ``residual_out``) into dx. ``norm_add_fwd`` is ``fwd`` of x, in x's dtype, then ``add_fwd`` of
-the residual and that (Gemma's norm after attention, residual add and norm before the MLP):
+the residual and that (a norm of a branch's output, the residual add, a norm of the sum):
 ``residual_out = residual + rmsnorm(x, x_weight, x_eps)``, ``y, rstd = rmsnorm(residual_out,
 weight, eps)``, both norms with the same keywords; the two ops' values, bit for bit, in one
 kernel where that holds (``launch.norm_add_fuses``), else in their two launches; its gradient
@@ -255,14 +255,10 @@ def _norm_add_fwd(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: f
 
 def _before_compiling(op: str) -> None:
     """What a graph that calls ``op`` needs before it is compiled, done from the fake
-    implementations, which run while Dynamo captures the graph (before Inductor starts its
-    compile workers, before AOTAutograd keys its cache): the kernels in the cache's key
-    (``launch.register_kernels_for_cache_key``), and Inductor's static launch of them
-    (``static_launch.install``, as patching sets it), for graphs that call the ops directly."""
-    from torch_rmsnorm_op import static_launch
-
+    implementations, which run while Dynamo captures the graph (before AOTAutograd keys its
+    cache): the kernels' source in the cache's key for graphs calling ``op``
+    (``launch.register_kernels_for_cache_key``, as ``torch.library.triton_op`` registers its own)."""
     launch_module().register_kernels_for_cache_key(op)
-    static_launch.install()
 
 
 _IMPLS = {"fwd": _fwd, "bwd": _bwd, "add_fwd": _add_fwd, "add_bwd": _add_bwd, "norm_add_fwd": _norm_add_fwd}

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from torch_rmsnorm_op import fusion, static_launch
+from torch_rmsnorm_op import passes
 from torch_rmsnorm_op.module import RMSNorm
 from torch_rmsnorm_op.recognize import GatedSemantics, Semantics, public_attributes, recognize
 
@@ -77,7 +77,7 @@ class PatchedGatedRMSNorm(PatchedRMSNorm):
     ``torch.ops.rmsnorm`` serves, standing in for ``original``. ``semantics`` (a
     ``GatedSemantics``) says where the gate multiplies, with which activation, and over which
     groups the norm runs; the gate, its activation and the casts around the norm are torch
-    ops, which Inductor fuses with the norm when compiled (``fusion``)."""
+    ops, which Inductor fuses with the norm when compiled (``passes/rule.py``)."""
 
     def __init__(self, original: nn.Module, eps: float | None, weight: nn.Parameter,
                  semantics: GatedSemantics) -> None:
@@ -156,8 +156,8 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
     """Swap, in place, every RMSNorm inside ``model`` (not ``model`` itself) whose semantics the
     probe proves (module docstring) for a ``PatchedRMSNorm``; report every module examined
     and left alone, with the reason. Patching twice changes nothing more. Where a norm is
-    swapped, it also installs, for graphs compiled afterwards, the compile-time rewrites of
-    ``fusion`` and Inductor's static launch of our kernels (``static_launch``)."""
+    swapped, it also installs the library's Inductor passes (``install_inductor_passes``) with
+    their defaults, where they are not installed, for graphs compiled afterwards."""
     report = PatchReport()
     cache: dict = {}  # one probe per kind of module (class, attributes, weight dtype), not per module
     if not isinstance(model, PatchedRMSNorm) and _replacement(model, cache)[0] is not None:
@@ -181,10 +181,9 @@ def patch_rmsnorm(model: nn.Module) -> PatchReport:
         replaced[id(child)] = patched
         report.swapped.append(Swapped(name, type(child).__name__, patched.semantics.name))
     if report.swapped:
-        # Compiled with Inductor, the rewrites of fusion.py fuse the ops around the swapped norms,
-        # and the generated code launches our kernels through Inductor's static launcher.
-        fusion.install()
-        static_launch.install()
+        # Compiled with Inductor, the compile rule decides who runs each swapped norm.
+        if passes.inductor_passes_installed() is None:
+            passes.install_inductor_passes()
     return report
 
 

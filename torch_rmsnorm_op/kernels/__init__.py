@@ -15,7 +15,7 @@ kernel's constexprs leave unread is None: Triton takes it as a constexpr, and th
 one argument less.
 
 - ``rows.py``: a program holds ``ROWS`` whole rows in registers (forward, and the norm-add
-  forward: ``rmsnorm(residual + rmsnorm(x))``, Gemma's norms around a residual add), or walks a
+  forward: ``rmsnorm(residual + rmsnorm(x))``, norms on both sides of a residual add), or walks a
   group of rows holding one tile at a time (backward, with a dweight partial row per group);
 - ``looped.py``: forward, one row per program in ``BLOCK_N`` steps, two passes over the row;
 - ``split.py``: rows too long for one program: ``SPLIT`` programs share a row and exchange

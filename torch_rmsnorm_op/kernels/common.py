@@ -57,7 +57,7 @@ def _bf16_exact(y):
 
 @triton.jit
 def _weight(w, WEIGHT_OFFSET: tl.constexpr):
-    """The weight as it scales the row: ``w + WEIGHT_OFFSET`` in fp32 (Gemma's ``1 + w``)."""
+    """The weight as it scales the row: ``w + WEIGHT_OFFSET`` in fp32 (``1 + w`` where the offset is 1)."""
     w = w.to(tl.float32)
     if WEIGHT_OFFSET != 0.0:
         w = w + WEIGHT_OFFSET

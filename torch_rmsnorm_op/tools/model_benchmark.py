@@ -186,7 +186,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from torch_rmsnorm_op import fusion, static_launch
+import torch_rmsnorm_op as T
 from torch_rmsnorm_op._torch_compat import inductor_cache_dir
 from torch_rmsnorm_op.recognize import EPS_ATTRIBUTES, recognize
 
@@ -1153,10 +1153,6 @@ def run(sel: Selection, out_dir: str, fresh: bool = False, compile_jobs: int = 0
     _log(f"{gpu}; torch {torch.__version__}, triton {triton.__version__}, transformers {transformers.__version__}, "
          f"liger_kernel {liger}; {sel.compiles()} compiles")
     install_rewrites()
-    if "patched" in sel.impls:
-        # As for a user who patches before compiling: set before any compile starts Inductor's
-        # workers (and before the cache-warming processes, which inherit it).
-        static_launch.install()
     if compile_jobs > 0:
         warm_caches(sel, compile_jobs)
     from torch_rmsnorm_op.tools.benchmark import copy_ceiling
@@ -1359,13 +1355,13 @@ def drop_best_configs(since: float) -> int:
 
 
 def install_rewrites() -> None:
-    """Install the library's Inductor passes (``fusion.install``) before anything compiles.
+    """Install the library's Inductor passes (``install_inductor_passes``) before anything compiles.
     Patching a model installs them for the rest of the process, so in the timing process stock's
     graphs compile with them installed once a patched impl is set up; they change no graph
     without the library's ops, but they are part of Inductor's cache key. Every process of a run
     installs them first, so that a stock graph compiled in a cache-warming worker is the one the
     timing process finds in the cache."""
-    fusion.install()
+    T.install_inductor_passes()
 
 
 def compile_only(sel: Selection) -> None:
