@@ -5,16 +5,20 @@ layer has it at 4x2048 tokens, hidden 2048, bf16, a training step (forward and b
 ``torch.compile``:
 
 - ``sum -> matmuls``: a residual add, the norm, the q, k and v projections;
-- ``sum -> float8 linears``: the same, the projections torchao float8 training linears (rowwise;
-  skipped where torchao is missing);
-- ``sum with a fused term -> matmuls``: a residual plus a scaled branch (``r + b * 0.25``), the
-  norm, the projections;
-- ``read by the norm alone -> elementwise``: q/k heads (rows of 128) normalized, then RoPE;
-- ``fused -> matmuls``: an embedding lookup, the norm, the projections.
+- ``sum -> other ops (float8 linears)``: the same, the projections torchao float8 training
+  linears (rowwise; skipped where torchao is missing);
+- ``fused (a scaled branch) -> matmuls``: a residual plus a scaled branch (``r + b * 0.25``),
+  the norm, the projections;
+- ``read by the norm alone -> other ops (RoPE)``: q/k heads (rows of 128) normalized, then RoPE;
+- ``fused (the embeddings) -> matmuls``: an embedding lookup, the norm, the projections.
 
-Each site runs as the stock module (Hugging Face's Llama norm, unpatched) and patched with each
-choice the rule can make forced on it (``ours/ours``: our forward and backward; ``inductor/ours``:
-Inductor's forward, our backward; ``inductor/inductor``), and with the rule's own choice.
+Each site runs as the stock module (Hugging Face's Llama norm, unpatched), patched with the
+rule's own choice, and patched with each choice forced on it: ``ours/ours`` (the op, a residual
+add moved into ``add_fwd``), ``inductor/inductor`` (``pre_grad.inductor_norm``), and
+``inductor/ours``: Inductor's forward and our backward, an autograd function defined here whose
+forward is ``inductor_norm`` and whose backward calls ``rmsnorm.bwd`` / ``add_bwd`` (the rule
+never takes it: it measured no better than Inductor's backward where a fused term makes the
+input, and 10% slower a site with torchao's float8 linears).
 The figure is GPU time per step (the sum of the device durations of every kernel, memset and
 memcpy, ``tools.benchmark.gpu_us``), in alternating rounds; ``ratio`` is the median over rounds
 of the variant's time over stock's in the same round. The projections are 2048 -> 256 so that
@@ -29,8 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import datetime
 import json
+import operator
 import os
 import statistics
 
@@ -38,7 +44,8 @@ import torch
 from torch import nn
 
 import torch_rmsnorm_op as T
-from torch_rmsnorm_op.passes import rule
+from torch_rmsnorm_op.passes import graph as G
+from torch_rmsnorm_op.passes import pre_grad
 from torch_rmsnorm_op.tools.benchmark import gpu_us
 
 TOKENS, HIDDEN, HEAD_DIM, HEADS, OUT = 8192, 2048, 128, 16, 256
@@ -82,22 +89,101 @@ class Site(nn.Module):
         return sum(p(y).float().square().mean() for p in (self.q, self.k, self.v))
 
 
-CLASSES = {"sum -> matmuls": "sum", "sum -> float8 linears": "float8", "sum with a fused term -> matmuls": "scaled",
-           "read by the norm alone -> elementwise": "rope", "fused -> matmuls": "embedding"}
+CLASSES = {"sum -> matmuls": "sum", "sum -> other ops (float8 linears)": "float8",
+           "fused (a scaled branch) -> matmuls": "scaled", "read by the norm alone -> other ops (RoPE)": "rope",
+           "fused (the embeddings) -> matmuls": "embedding"}
 CHOICES = {"ours/ours": ("ours", "ours"), "inductor/ours": ("inductor", "ours"),
            "inductor/inductor": ("inductor", "inductor")}
 
 
+class InductorForward(torch.autograd.Function):
+    """Inductor's forward (``inductor_norm``), our backward (``rmsnorm.bwd``), of a plain norm."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, weight_offset, norm_dtype, out_dtype):
+        y, rstd = pre_grad.inductor_norm(x, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                         out_dtype=out_dtype)
+        ctx.mark_non_differentiable(rstd)
+        ctx.weight_offset = weight_offset
+        ctx.save_for_backward(x, weight, rstd)
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd, weight_offset=ctx.weight_offset)
+        return dx, dweight, None, None, None, None
+
+
+class InductorAddForward(torch.autograd.Function):
+    """Inductor's forward (the sum, then ``inductor_norm``), our backward (``rmsnorm.add_bwd``)."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, weight_offset, norm_dtype, out_dtype):
+        h = x + residual
+        y, rstd = pre_grad.inductor_norm(h, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
+                                         out_dtype=out_dtype)
+        ctx.mark_non_differentiable(rstd)
+        ctx.weight_offset = weight_offset
+        ctx.save_for_backward(h, weight, rstd)
+        return y, h, rstd
+
+    @staticmethod
+    def backward(ctx, dy, dh, _):
+        h, weight, rstd = ctx.saved_tensors
+        dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dh, h, weight, rstd, weight_offset=ctx.weight_offset)
+        return dsum, dsum, dweight, None, None, None, None
+
+
+def _hybrid(graph, site) -> None:
+    """Replace the site (and the add it reads) with ``InductorForward`` / ``InductorAddForward``."""
+    norm = site.norm
+    kw = [norm.kwargs.get(k, d) for k, d in (("weight_offset", 0.0), ("norm_dtype", None), ("out_dtype", None))]
+    x = G.through_noop_cast(norm.args[0])
+    if G.is_plain_add(x):
+        with graph.inserting_after(norm):
+            new = graph.call_function(InductorAddForward.apply, (*x.args, *norm.args[1:], *kw))
+        with graph.inserting_after(new):
+            y, h, rstd = (graph.call_function(operator.getitem, (new, i)) for i in range(3))
+        for user in list(norm.users):
+            user.replace_all_uses_with({0: y, 1: rstd}[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(norm)
+        x.replace_all_uses_with(h)
+        graph.erase_node(x)
+    else:
+        with graph.inserting_before(norm):
+            new = graph.call_function(InductorForward.apply, (*norm.args, *kw))
+        norm.replace_all_uses_with(new)
+        graph.erase_node(norm)
+
+
 @contextlib.contextmanager
 def forced(choice):
-    """The rule, for graphs compiled inside: every site takes ``choice`` (None: the rule's own)."""
-    real = rule.decide
+    """The pre-grad stage, for graphs compiled inside: every site takes ``choice`` (None: the
+    rule's own)."""
+    real = pre_grad.apply_rule
+
+    def apply(graph):
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for site in pre_grad.decisions(graph):
+            x = G.through_noop_cast(site.norm.args[0])
+            if choice == ("ours", "ours"):
+                if G.is_plain_add(x):
+                    pre_grad._replace_with_sum(graph, dataclasses.replace(site, input="sum"), order)
+            elif choice == ("inductor", "inductor"):
+                pre_grad._replace_norm(graph, site.norm)
+            else:
+                _hybrid(graph, site)
+            T.fallback.record_site(*choice)
+        graph.lint()
+
     if choice is not None:
-        rule.decide = lambda i, o, differentiated: choice if differentiated else (choice[0], rule.NONE)
+        pre_grad.apply_rule = apply
     try:
         yield
     finally:
-        rule.decide = real
+        pre_grad.apply_rule = real
 
 
 def build(kind: str, device: str):
@@ -171,15 +257,17 @@ def main() -> None:
             rows.append({"class": label, "error": f"{type(e).__name__}: {e}"})
             continue
         times = {name: [] for name in steps}
+        kernels = {name: {} for name in steps}
         for r in range(args.rounds):
             order = list(steps) if r % 2 == 0 else list(reversed(steps))
             for name in order:
-                times[name].append(gpu_us(steps[name][0], args.iters, 1))
+                times[name].append(gpu_us(steps[name][0], args.iters, 1, kernels[name]))
         for name in steps:
             ratios = [t / s for t, s in zip(times[name], times["stock"])]
             rows.append({"class": label, "variant": name, "sites": steps[name][1],
                          "gpu_us": round(statistics.median(times[name]), 2),
-                         "ratio": round(statistics.median(ratios), 4)})
+                         "ratio": round(statistics.median(ratios), 4),
+                         "kernels_us": dict(list(kernels[name].items())[:8])})
         print(label, {row["variant"]: row["ratio"] for row in rows if row.get("class") == label and "ratio" in row},
               flush=True)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke: not GPU timings)"

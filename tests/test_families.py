@@ -239,6 +239,9 @@ def _assert_compiles(model, inputs, want, calls, patched, reference):
     assert sum("rmsnorm.fwd" in str(n.target) for n in graphs[0].graph.nodes) == calls >= patched
 
 
+FAMILY_SITES = {}
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3", "gemma3n", "glm4", "olmo2", "granite", "qwen3_next", "mixtral",
                                     "qwen3_moe", "qwen2_moe", "deepseek_v3", "gemma4", "deepseek_v4", "nemotron_h",
                                     "bitnet", "muse_spark", "qwen4_exp"])
@@ -257,14 +260,14 @@ def test_family_under_inductor(device, family):
     compiled = torch.compile(lambda **kw: _output(model, **kw), fullgraph=True)
     _assert_close(_outputs_and_grads(compiled, model, inputs), want)
     stats = T.dispatch_stats()
-    print("SITES", family, stats["sites"], stats["kernel"])
+    import json; open(f"/tmp/sites_{family}.json", "w").write(json.dumps(stats))  # TEMP
     if device.type == "cpu":  # a compiled CPU graph calls each op of ours once a step
         sites, calls = stats["sites"], stats["kernel"]
         forward = sum(n for choice, n in sites.items() if choice.startswith("forward ours"))
         backward = sum(n for choice, n in sites.items() if choice.endswith("backward ours"))
         assert calls.get("rmsnorm.fwd", 0) + calls.get("rmsnorm.add_fwd", 0) == forward, stats
         assert calls.get("rmsnorm.bwd", 0) + calls.get("rmsnorm.add_bwd", 0) == backward, stats
-        assert sites == FAMILY_SITES[family], stats
+        assert sites == FAMILY_SITES.get(family), stats
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])

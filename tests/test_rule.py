@@ -104,10 +104,10 @@ CASES = {
     "q/k heads before RoPE": (
         lambda x, r, w, wq, wk: _rope(_norm(F.linear(x, wq).view(2, 8, 2, 16).transpose(1, 2).reshape(2, 2, 8, 16)
                                             .reshape(2, 2, 8, 16).transpose(1, 2).reshape(2, 8, N), w)),
-        [("read by the norm alone", "elementwise")]),
+        [("read by the norm alone", "other ops")]),
     "a scaled residual branch": (
         lambda x, r, w, wq, wk: F.linear(_norm(r + F.linear(x, wq) * 0.25, w), wk),
-        [("sum with a fused term", "matmuls")]),
+        [("fused", "matmuls")]),
     "an autograd function reads the output": (
         lambda x, r, w, wq, wk: _Scaled.apply(_norm(x + r, w), wk),
         [("sum", "other ops")]),
@@ -116,14 +116,14 @@ CASES = {
         [("sum", "matmuls")]),
     "gathers alone": (
         lambda x, r, w, wq, wk: F.linear(_norm(x + r, w).view(-1, N)[torch.tensor([3, 1])], wq),
-        [("sum", "elementwise")]),
+        [("sum", "other ops")]),
     "a norm, an add, a norm": (
         lambda x, r, w, wq, wk: F.linear(_norm(r + _norm(F.linear(x, wq), w), w), wk),
-        [("read by the norm alone", "elementwise"), ("sum with a fused term", "matmuls")]),
+        [("read by the norm alone", "other ops"), ("fused", "matmuls")]),
     "experts' rows summed over the chosen experts": (
         lambda x, r, w, wq, wk: F.linear(_norm(r + (F.linear(x, wq).view(16, N) * 0.5)[
             torch.arange(32).view(16, 2) % 16].sum(1).view(2, 8, N), w), wk),
-        [("sum with a fused term", "matmuls")]),
+        [("fused", "matmuls")]),
 }
 
 
@@ -139,20 +139,13 @@ def test_the_rule_sorts_each_site_by_its_neighbours(name):
 # norm, and the forward where it does not. Declared here, checked against rule.decide.
 TABLE = {
     ("sum", "matmuls"): (("ours", "ours"), "ours"),
-    ("sum", "other ops"): (("inductor", "ours"), "inductor"),
-    ("sum", "elementwise"): (("inductor", "inductor"), "inductor"),
-    ("sum with a fused term", "matmuls"): (("inductor", "ours"), "inductor"),
-    ("sum with a fused term", "other ops"): (("inductor", "ours"), "inductor"),
-    ("sum with a fused term", "elementwise"): (("inductor", "inductor"), "inductor"),
+    ("sum", "other ops"): (("inductor", "inductor"), "inductor"),
     ("read by the norm alone", "matmuls"): (("ours", "ours"), "ours"),
-    ("read by the norm alone", "other ops"): (("inductor", "ours"), "inductor"),
-    ("read by the norm alone", "elementwise"): (("inductor", "inductor"), "inductor"),
+    ("read by the norm alone", "other ops"): (("inductor", "inductor"), "inductor"),
     ("stored, read elsewhere too", "matmuls"): (("inductor", "inductor"), "ours"),
     ("stored, read elsewhere too", "other ops"): (("inductor", "inductor"), "inductor"),
-    ("stored, read elsewhere too", "elementwise"): (("inductor", "inductor"), "inductor"),
     ("fused", "matmuls"): (("inductor", "inductor"), "inductor"),
     ("fused", "other ops"): (("inductor", "inductor"), "inductor"),
-    ("fused", "elementwise"): (("inductor", "inductor"), "inductor"),
 }
 
 
@@ -194,16 +187,16 @@ def _compiled_code(f, *args) -> tuple[object, str, str]:
 @interpreted
 @pytest.mark.parametrize("name,fwd_ops,bwd_ops", [
     ("residual add, projections", {"add_fwd": 1}, {"add_bwd": 1}),
-    ("a scaled residual branch", {}, {"add_bwd": 1}),
-    ("an autograd function reads the output", {}, {"add_bwd": 1}),
+    ("a scaled residual branch", {}, {}),
+    ("an autograd function reads the output", {}, {}),
     ("a matmul's output, read by the norm alone", {"fwd": 1}, {"bwd": 1}),
     ("q/k heads before RoPE", {}, {}),
     ("an embedding lookup", {}, {}),
 ])
 def test_each_direction_runs_where_the_rule_puts_it(name, fwd_ops, bwd_ops):
     """Our ops appear in the forward and backward code exactly where the rule gives us the
-    direction; where it gives Inductor the forward, Inductor's kernel computes the norm
-    (``rsqrt``); the values and gradients are those of the same function run eagerly."""
+    norm; where it gives Inductor the norm, Inductor's kernel computes it (``rsqrt``); the
+    values and gradients are those of the same function run eagerly."""
     f, _ = CASES[name]
     inputs = _inputs()
     out, fwd_code, bwd_code = _compiled_code(f, *inputs)
@@ -228,8 +221,11 @@ def test_each_direction_runs_where_the_rule_puts_it(name, fwd_ops, bwd_ops):
 def test_the_sites_are_counted_by_choice():
     f, _ = CASES["a norm, an add, a norm"]
     _compiled_code(f, *_inputs())
-    assert T.dispatch_stats()["sites"] == {"forward inductor, backward inductor": 1,
-                                           "forward inductor, backward ours": 1}
+    assert T.dispatch_stats()["sites"] == {"forward inductor, backward inductor": 2}
+    T.reset_dispatch_stats()
+    f, _ = CASES["residual add, projections"]
+    _compiled_code(f, *_inputs())
+    assert T.dispatch_stats()["sites"] == {"forward ours, backward ours": 1}
 
 
 @interpreted
@@ -285,36 +281,6 @@ def test_inductors_forward_differentiates_as_the_family_does():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("x_dtype,w_dtype,norm_dtype,offset", [
-    (torch.float32, torch.float32, None, 0.0),
-    (torch.bfloat16, torch.float32, torch.bfloat16, 0.0),
-    (torch.bfloat16, torch.bfloat16, None, 1.0),
-])
-def test_inductors_forward_takes_our_backward(x_dtype, w_dtype, norm_dtype, offset):
-    """``InductorForward`` and ``InductorAddForward`` (Inductor's forward, our backward): the
-    values of ``fwd`` / ``add_fwd`` and, from ``rmsnorm.bwd`` / ``add_bwd``, their gradients
-    (within the roundings of an rstd computed by torch ops rather than by the kernel)."""
-    g = torch.Generator().manual_seed(1)
-    x, r = ((torch.randn(5, 24, generator=g) * 2).to(x_dtype).requires_grad_() for _ in range(2))
-    w = (torch.rand(24, generator=g) + 0.5).to(w_dtype).requires_grad_()
-    kw = dict(weight_offset=offset, norm_dtype=norm_dtype)
-    tol = few_roundings(x_dtype)
-    y, _ = torch.ops.rmsnorm.fwd(x, w, 1e-6, **kw)
-    dy = torch.randn(y.shape, generator=g).to(y.dtype)
-    hy, _ = pre_grad.inductor_forward(x, w, 1e-6, offset, norm_dtype)
-    torch.testing.assert_close(hy, y, **tol)
-    for a, b in zip(torch.autograd.grad(hy, (x, w), dy), torch.autograd.grad(y, (x, w), dy)):
-        torch.testing.assert_close(a, b, **tol)
-    ys, hs, _ = torch.ops.rmsnorm.add_fwd(x, r, w, 1e-6, **kw)
-    dh = torch.randn(hs.shape, generator=g).to(hs.dtype)
-    hy, hh, _ = pre_grad.inductor_add_forward(x, r, w, 1e-6, offset, norm_dtype)
-    assert torch.equal(hh, hs)
-    torch.testing.assert_close(hy, ys, **tol)
-    got = torch.autograd.grad((hy, hh), (x, r, w), (dy, dh))
-    for a, b in zip(got, torch.autograd.grad((ys, hs), (x, r, w), (dy, dh))):
-        torch.testing.assert_close(a, b, **tol)
-
-
 def _tiny(family: str, layers: int = 2, **more):
     config = getattr(transformers, f"{family}Config")(
         hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
@@ -332,16 +298,12 @@ def _tiny(family: str, layers: int = 2, **more):
 # family (config, attention), the sites' choices in a training graph
 FAMILIES = {
     "Llama": (dict(attn_implementation="sdpa"),
-              {"forward inductor, backward inductor": 1, "forward inductor, backward ours": 1,
-               "forward ours, backward ours": 3}),
+              {"forward inductor, backward inductor": 2, "forward ours, backward ours": 3}),
     "Qwen3": (dict(attn_implementation="sdpa"),
-              {"forward inductor, backward inductor": 5, "forward inductor, backward ours": 1,
-               "forward ours, backward ours": 3}),
-    "Gemma2": (dict(attn_implementation="eager"),
-               {"forward inductor, backward inductor": 5, "forward inductor, backward ours": 4}),
+              {"forward inductor, backward inductor": 6, "forward ours, backward ours": 3}),
+    "Gemma2": (dict(attn_implementation="eager"), {"forward inductor, backward inductor": 9}),
     "Mixtral": (dict(attn_implementation="sdpa", num_local_experts=4, num_experts_per_tok=2),
-                {"forward inductor, backward inductor": 1, "forward inductor, backward ours": 3,
-                 "forward ours, backward ours": 1}),
+                {"forward inductor, backward inductor": 4, "forward ours, backward ours": 1}),
 }
 
 
@@ -349,10 +311,10 @@ FAMILIES = {
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_decoders_compile_as_the_rule_decides_and_match_the_unpatched_model(family):
     """A patched 2-layer decoder compiled with Inductor (fp32): the sites take the choices the
-    rule gives their neighbours (the first layer's input norm reads the embeddings: Inductor's;
-    norms before RoPE, before a residual add: Inductor's; a sum with the embeddings, with a norm's
-    output or with a mixture of experts' rows: Inductor's forward, our backward), and logits and
-    every gradient match the unpatched model's."""
+    rule gives their neighbours (a norm of the embeddings, or of a sum with them, with a norm's
+    output or a mixture of experts' rows: Inductor's; a norm before RoPE or before a residual add:
+    Inductor's; a norm of a residual sum read by projections: ours), and logits and every
+    gradient match the unpatched model's."""
     more, want = FAMILIES[family]
     stock = _tiny(family, **more)
     patched = copy.deepcopy(stock)

@@ -25,9 +25,8 @@ the job. Checked on torch 2.11 and 2.13.
   normalized values;
 - ``inductor_config()`` and ``custom_graph_pass_class()``: the options the library's passes are
   installed in, and the base class of a cacheable pass (``passes.install_inductor_passes``);
-- ``higher_order_call(target)``: whether a graph node calls a higher-order op or an autograd
-  function, and ``unrolled_reduction_limit()``: the reductions Inductor unrolls into their
-  reader (the compile rule's vocabulary, ``passes/graph.py``).
+- ``unrolled_reduction_limit()``: the reductions Inductor unrolls into their reader (the
+  compile rule's vocabulary, ``passes/graph.py``).
 """
 
 from __future__ import annotations
@@ -47,7 +46,6 @@ __all__ = [
     "functorch_transform",
     "inductor_cache_dir",
     "custom_graph_pass_class",
-    "higher_order_call",
     "inductor_config",
     "jagged_layout",
     "recording_graph",
@@ -165,15 +163,6 @@ def custom_graph_pass_class() -> type:
     from torch._inductor.custom_graph_pass import CustomGraphPass
 
     return CustomGraphPass
-
-
-def higher_order_call(target: object) -> bool:
-    """Whether a node of Dynamo's graph calling ``target`` calls a higher-order op or an
-    autograd function (Dynamo records ``Function.apply`` as a call of its
-    ``trampoline_autograd_apply``, which runs the ``autograd_function_apply`` higher-order op)."""
-    from torch._ops import HigherOrderOperator
-
-    return isinstance(target, HigherOrderOperator) or getattr(target, "__name__", None) == "trampoline_autograd_apply"
 
 
 def unrolled_reduction_limit() -> int:

@@ -263,13 +263,6 @@ def is_external(node: Node) -> bool:
     return namespace is not None and namespace not in ("aten", "prims")
 
 
-def is_autograd_function(node: Node) -> bool:
-    """A call of an autograd function or another higher-order op (torchao's float8 linears,
-    activation checkpointing): ops the pass does not look into, whose backward hands its
-    gradients to the graph as tensors."""
-    return node.op == "call_function" and _torch_compat.higher_order_call(node.target)
-
-
 def is_plain_add(node: object) -> bool:
     """An out-of-place ``a + b`` of two tensors of one shape, device and a dtype the kernels take
     (no broadcast, no scalar, no ``alpha``): the add our fused kernels compute."""

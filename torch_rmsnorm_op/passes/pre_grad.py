@@ -1,18 +1,12 @@
 """The pre-grad stage: each norm of the graph Dynamo captured as the rule (``rule.py``) decides.
 
-- **Ours, forward and backward**: the op stays; a plain residual add it reads moves into it
-  (``a + b -> rmsnorm.fwd`` becomes ``rmsnorm.add_fwd(a, b, ...)``: one kernel reads a and b and
-  writes y and the sum; its backward adds the sum's own gradient into dx).
-- **Inductor's forward, our backward**: the norm (and the add it reads) becomes torch ops in an
-  autograd function whose backward calls ``rmsnorm.bwd`` / ``add_bwd`` (``InductorForward``,
-  ``InductorAddForward``): Inductor compiles and fuses the forward as in the stock model,
-  AOTAutograd puts our backward op in the backward graph.
-- **Inductor's, both directions**: the norm becomes torch ops (``inductor_norm``), which
-  AOTAutograd differentiates and Inductor fuses as in the stock model.
-
-The torch ops compute the op's values in the order Hugging Face's norms write them
-(``weight * normed.to(dtype)``): where Inductor keeps a norm, its kernels and numerics are the
-stock model's.
+- **Ours**: the op stays; a plain residual add it reads moves into it (``a + b -> rmsnorm.fwd``
+  becomes ``rmsnorm.add_fwd(a, b, ...)``: one kernel reads a and b and writes y and the sum; its
+  backward, ``add_bwd``, adds the sum's own gradient into dx).
+- **Inductor's**: the norm becomes torch ops (``inductor_norm``), which AOTAutograd
+  differentiates and Inductor compiles and fuses with its neighbours. They compute the op's
+  values in the order Hugging Face's norms write them (``weight * normed.to(dtype)``), so the
+  kernels, numerics and gradients are the stock model's.
 """
 
 from __future__ import annotations
@@ -52,81 +46,6 @@ def inductor_norm(x: Tensor, weight: Tensor | None, eps: float, *, weight_offset
     return y.to(out_dtype).contiguous(), rstd.squeeze(-1)
 
 
-class InductorForward(torch.autograd.Function):
-    """``rmsnorm.fwd``'s values from torch ops (``inductor_norm``), its gradient from
-    ``rmsnorm.bwd``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor | None, eps: float, weight_offset: float,
-                norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
-        y, rstd = inductor_norm(x, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
-                                out_dtype=out_dtype)
-        ctx.mark_non_differentiable(rstd)
-        ctx.set_materialize_grads(False)
-        ctx.weight_offset = weight_offset
-        ctx.save_for_backward(x, weight, rstd)
-        return y, rstd
-
-    @staticmethod
-    def backward(ctx, dy: Tensor | None, _drstd: Tensor | None):
-        if dy is None:
-            return None, None, None, None, None, None
-        x, weight, rstd = ctx.saved_tensors
-        dx, dweight = torch.ops.rmsnorm.bwd(dy, x, weight, rstd, weight_offset=ctx.weight_offset)
-        need_x, need_w = ctx.needs_input_grad[:2]
-        return (dx if need_x else None), (dweight if need_w else None), None, None, None, None
-
-
-class InductorAddForward(torch.autograd.Function):
-    """``rmsnorm.add_fwd``'s values from torch ops (the sum as torch adds, then
-    ``inductor_norm``), its gradient from ``rmsnorm.add_bwd``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, weight_offset: float,
-                norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> tuple[Tensor, Tensor, Tensor]:
-        h = x + residual
-        y, rstd = inductor_norm(h, weight, eps, weight_offset=weight_offset, norm_dtype=norm_dtype,
-                                out_dtype=out_dtype)
-        ctx.mark_non_differentiable(rstd)
-        ctx.set_materialize_grads(False)
-        ctx.weight_offset = weight_offset
-        ctx.dtypes = (x.dtype, residual.dtype)
-        ctx.save_for_backward(h, weight, rstd)
-        return y, h, rstd
-
-    @staticmethod
-    def backward(ctx, dy: Tensor | None, dh: Tensor | None, _drstd: Tensor | None):
-        h, weight, rstd = ctx.saved_tensors
-        dweight = None
-        if dy is None:
-            dsum = dh
-        else:
-            dsum, dweight = torch.ops.rmsnorm.add_bwd(dy, dh, h, weight, rstd, weight_offset=ctx.weight_offset)
-        if dsum is None:
-            return None, None, None, None, None, None, None
-        need_x, need_r, need_w = ctx.needs_input_grad[:3]
-        x_dtype, r_dtype = ctx.dtypes
-        return ((dsum.to(x_dtype) if need_x else None), (dsum.to(r_dtype) if need_r else None),
-                (dweight if need_w else None), None, None, None, None)
-
-
-def _keywords(norm: Node) -> tuple:
-    kw = norm.kwargs
-    return kw.get("weight_offset", 0.0), kw.get("norm_dtype"), kw.get("out_dtype")
-
-
-def inductor_forward(x: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
-                     norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None):
-    """``InductorForward`` as a graph node calls it."""
-    return InductorForward.apply(x, weight, eps, weight_offset, norm_dtype, out_dtype)
-
-
-def inductor_add_forward(x: Tensor, residual: Tensor, weight: Tensor | None, eps: float, weight_offset: float = 0.0,
-                         norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None):
-    """``InductorAddForward`` as a graph node calls it."""
-    return InductorAddForward.apply(x, residual, weight, eps, weight_offset, norm_dtype, out_dtype)
-
-
 # --- where the new node goes ---------------------------------------------------------------
 
 _SCALARS = (torch.SymFloat, torch.SymInt, torch.SymBool, float, int, bool)
@@ -162,18 +81,16 @@ def _inputs_before(add: Node, norm: Node, order: dict[Node, int]) -> bool:
     return True
 
 
-def _replace_with_sum(graph: Graph, site: Decision, target, order: dict[Node, int]) -> bool:
-    """Replace the site's ``add -> norm`` with one node of ``target`` (an op or function of
-    ``add_fwd``'s arguments and results) standing where the add stood; False (nothing changed)
-    where the norm's other inputs are computed only after the add."""
+def _replace_with_sum(graph: Graph, site: Decision, order: dict[Node, int]) -> bool:
+    """Replace the site's ``add -> norm`` with one ``rmsnorm.add_fwd`` standing where the add
+    stood; False (nothing changed) where the norm's other inputs are computed only after the
+    add."""
     norm, add = site.norm, site.add
     cast = norm.args[0]
     if not _inputs_before(add, norm, order):
         return False
-    args = (*add.args, *norm.args[1:])
-    kwargs = dict(norm.kwargs)
-    if target is not torch.ops.rmsnorm.add_fwd.default:
-        kwargs = dict(zip(("weight_offset", "norm_dtype", "out_dtype"), _keywords(norm)))
+    target = torch.ops.rmsnorm.add_fwd.default
+    args, kwargs = (*add.args, *norm.args[1:]), dict(norm.kwargs)
     fake = G.fake_call(target, args, kwargs)
     with graph.inserting_after(add):
         fused = graph.call_function(target, args, kwargs)
@@ -195,13 +112,12 @@ def _replace_with_sum(graph: Graph, site: Decision, target, order: dict[Node, in
     return True
 
 
-def _replace_norm(graph: Graph, norm: Node, target) -> None:
-    """Replace ``norm`` with a call of ``target`` (a function of ``fwd``'s arguments returning
-    ``(y, rstd)``), its results read as the op's."""
-    args, kwargs = norm.args, dict(zip(("weight_offset", "norm_dtype", "out_dtype"), _keywords(norm)))
-    fake = G.fake_call(target, args, kwargs)
+def _replace_norm(graph: Graph, norm: Node) -> None:
+    """Replace ``norm`` with a call of ``inductor_norm``, its results read as the op's."""
+    args, kwargs = norm.args, dict(norm.kwargs)
+    fake = G.fake_call(inductor_norm, args, kwargs)
     with graph.inserting_before(norm):
-        new = graph.call_function(target, args, kwargs)
+        new = graph.call_function(inductor_norm, args, kwargs)
     G.set_fake(new, fake)
     norm.replace_all_uses_with(new)
     graph.erase_node(norm)
@@ -213,15 +129,12 @@ def apply_rule(graph: Graph) -> dict[tuple[str, str], int]:
     counts: dict[tuple[str, str], int] = {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     for site in decisions(graph):
-        choice = (site.forward, site.backward)
         if site.forward == OURS:
-            if site.add is not None and not _replace_with_sum(graph, site, torch.ops.rmsnorm.add_fwd.default, order):
-                choice = (OURS, site.backward)  # the add stays; the norm stays ours
-        elif site.backward == OURS:
-            if site.add is None or not _replace_with_sum(graph, site, inductor_add_forward, order):
-                _replace_norm(graph, site.norm, inductor_forward)
+            if site.add is not None:
+                _replace_with_sum(graph, site, order)  # where it cannot, the add stays and the norm is ours
         else:
-            _replace_norm(graph, site.norm, inductor_norm)
+            _replace_norm(graph, site.norm)
+        choice = (site.forward, site.backward)
         counts[choice] = counts.get(choice, 0) + 1
         record_site(*choice)
     if counts:

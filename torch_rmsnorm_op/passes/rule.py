@@ -1,42 +1,39 @@
-"""The compile rule: for every norm a graph computes, who runs its forward and who its backward.
+"""The compile rule: for every norm a graph computes, whether our kernels or Inductor's run it.
 
 Stock Inductor computes a norm in a kernel with its neighbours: the elementwise op or gather
-that makes its input, the elementwise ops that read its output, and in the backward the
-elementwise gradients that reach it. Our kernels take none of those but a plain residual add
+that makes its input, the elementwise ops that read its output (RoPE after a q/k norm, a gate,
+torchao's float8 scaling and cast of a linear's input), and in the backward the elementwise
+gradients that reach it and leave it. Our kernels take none of those but a plain residual add
 before the norm (``rmsnorm::add_fwd`` / ``add_bwd``) and the sum of the gradients that reach its
-output (``post_grad.fuse_gradient_sums``). So a direction runs our kernel only where every tensor
-it reads or writes is one the step keeps in memory anyway; there the kernel does the passes
-Inductor's would, faster. Everywhere else Inductor keeps the direction, as in the stock model.
+output (``post_grad.fuse_gradient_sums``). So a norm runs our kernels only where every tensor
+they read and write is one the step keeps in memory anyway; there they do the passes Inductor's
+would, faster. Everywhere else Inductor keeps the norm, forward and backward, as in the stock
+model.
 
-Sorted by what the graph shows around the norm:
+The rule sorts each norm by what the graph shows around it:
 
-- its **input** (through a cast that changes nothing), one of
-  - ``sum``: a plain add of two stored tensors: the add moves into our kernels, forward and
-    backward;
-  - ``sum with a fused term``: a plain add with a term that Inductor computes in the kernel
-    that reads it (an elementwise result or a gather read once: a scaled residual branch, a
-    mixture of experts' combined rows, the embeddings, another norm's output left to Inductor).
-    The forward stays Inductor's; the backward reads only stored tensors: the sum's gradient is
-    the residual stream's, written anyway;
-  - ``read by the norm alone``: a stored tensor (a matmul's output, a graph input) that only the
-    norm reads;
-  - ``stored, read elsewhere too``: a stored tensor other ops read as well. Its gradient is the
-    sum of ours and theirs, an add that Inductor fuses into its norm backward: Inductor keeps
-    both directions;
-  - ``fused``: anything Inductor computes in the norm's kernel (an elementwise result, a gather).
-- its **output** (through views), one of
+- its **input** (through a cast that changes nothing):
+  - ``sum``: a plain add of two stored tensors, which moves into our kernels;
+  - ``read by the norm alone``: a stored tensor (a matmul's output, a graph input) that only
+    the norm reads;
+  - ``stored, read elsewhere too``: a stored tensor other ops read as well: its gradient is the
+    sum of the norm's and theirs, an add Inductor fuses into its norm backward;
+  - ``fused``: what Inductor computes in the kernel that reads it: an elementwise result or a
+    gather, or a plain add with such a term (a scaled residual branch, a mixture of experts'
+    combined rows, the embeddings, another norm's output).
+  A tensor is *stored* where the step writes it whatever runs the norm: the output of a matmul
+  or another op of its own kernel, a graph input, a tensor several ops read (but a gather, which
+  Inductor gathers again in every kernel that reads it).
+- its **output** (through views):
   - ``matmuls``: read only by ops that read it from memory (matmuls, attention, our ops, the
     graph's output, and gathers of its rows beside those);
-  - ``other ops``: read by other ops that are not elementwise (torchao's float8 linears, other
-    autograd functions), which Inductor may fuse with the norm's forward (the float8 scaling and
-    cast of a linear's input) but whose gradients reach the norm as tensors;
-  - ``elementwise``: read by an elementwise op (RoPE after a q/k norm, a gate, a residual add of
-    its output), whose gradient Inductor computes in the norm's backward kernel.
+  - ``other ops``: read by an op Inductor fuses with the norm (elementwise, a reduction) or one
+    the rule does not look into (an autograd function such as torchao's float8 linears, whose
+    float8 scaling and cast Inductor fuses into the norm's kernel).
 
-The forward runs our kernel where the input is ``sum`` or a stored tensor and the output is
-``matmuls``; the backward where the input is not ``fused`` or ``stored, read elsewhere too`` and
-the output is not ``elementwise``. In a graph that differentiates the norm, our forward also
-needs our backward (a norm whose backward Inductor keeps keeps its forward there too).
+Our kernels run the norm where its input is ``sum`` or ``read by the norm alone`` and its output
+``matmuls``; where nothing differentiates the norm (inference), also where its input is
+``stored, read elsewhere too``. Inductor runs every other norm, both directions.
 """
 
 from __future__ import annotations
@@ -50,25 +47,13 @@ from torch_rmsnorm_op.passes import graph as G
 
 OURS, INDUCTOR, NONE = "ours", "inductor", "none"
 
-# input class -> (our forward can take it, our backward can take it)
-INPUTS = {
-    "sum": (True, True),
-    "sum with a fused term": (False, True),
-    "read by the norm alone": (True, True),
-    "stored, read elsewhere too": (True, False),
-    "fused": (False, False),
-}
-# output class -> (our forward can take it, our backward can take it)
-OUTPUTS = {
-    "matmuls": (True, True),
-    "other ops": (False, True),
-    "elementwise": (False, False),
-}
+INPUTS = ("sum", "read by the norm alone", "stored, read elsewhere too", "fused")
+OUTPUTS = ("matmuls", "other ops")
 
 
 @dataclass(frozen=True)
 class Decision:
-    """One norm site of a graph: how its neighbours are sorted, and who runs each direction."""
+    """One norm site of a graph: how its neighbours are sorted, and who runs it."""
 
     norm: Node
     input: str
@@ -80,19 +65,17 @@ class Decision:
     @property
     def add(self) -> Node | None:
         """The plain add the norm reads, which moves into the norm's op where ours runs it."""
-        x = G.through_noop_cast(self.norm.args[0])
-        return x if self.input in ("sum", "sum with a fused term") else None
+        return G.through_noop_cast(self.norm.args[0]) if self.input == "sum" else None
 
 
 def decide(input_class: str, output_class: str, differentiated: bool) -> tuple[str, str]:
     """The rule: (forward, backward) for a site of these classes."""
-    in_fwd, in_bwd = INPUTS[input_class]
-    out_fwd, out_bwd = OUTPUTS[output_class]
-    backward = NONE
-    if differentiated:
-        backward = OURS if in_bwd and out_bwd else INDUCTOR
-    forward = OURS if in_fwd and out_fwd and backward != INDUCTOR else INDUCTOR
-    return forward, backward
+    ours = output_class == "matmuls" and (
+        input_class in ("sum", "read by the norm alone")
+        or (input_class == "stored, read elsewhere too" and not differentiated))
+    if not differentiated:
+        return (OURS if ours else INDUCTOR), NONE
+    return (OURS, OURS) if ours else (INDUCTOR, INDUCTOR)
 
 
 def _y(norm: Node) -> Node | None:
@@ -113,12 +96,10 @@ def output_class(norm: Node) -> str | None:
     if y is None:
         return None
     found = G.readers(y)
-    stored = [r for r in found if G.is_external(r) or G.is_autograd_function(r)]
-    if any(not (r in stored or (stored and G.is_gather(r))) for r in found):
-        return "elementwise"
-    if any(G.is_autograd_function(r) for r in found):
-        return "other ops"
-    return "matmuls"
+    external = [r for r in found if G.is_external(r)]
+    if external and all(r in external or G.is_gather(r) for r in found):
+        return "matmuls"
+    return "other ops"
 
 
 def _fused_here(node: object, inductor_norms: set[Node]) -> bool:
@@ -139,7 +120,7 @@ def input_class(norm: Node, inductor_norms: set[Node]) -> str:
     graph whose forward Inductor runs (their outputs are fusable)."""
     x = G.through_noop_cast(norm.args[0])
     if G.is_plain_add(x):
-        return "sum with a fused term" if any(_fused_here(t, inductor_norms) for t in x.args) else "sum"
+        return "fused" if any(_fused_here(t, inductor_norms) for t in x.args) else "sum"
     if _fused_here(x, inductor_norms):
         return "fused"
     source = G.base(x)
