@@ -148,13 +148,13 @@ RUN_OPTIONS = ("out", "fresh", "compile_jobs", "stop_after", "smoke", "plan", "c
 
 def _model_selections(args: argparse.Namespace) -> list:
     """The ``Selection`` of ``bench-models``' options, then one per ``--and`` (its options over
-    the ones before it). The run's options (``RUN_OPTIONS``) may stand in any part; they are set
-    on ``args``, and one given two different values is refused."""
+    the first selection's). The run's options (``RUN_OPTIONS``) may stand in any part; they are
+    set on ``args``, and one given two different values is refused."""
     from torch_rmsnorm_op.tools import model_benchmark as mb
 
     namespaces = [args]
     while namespaces[-1].more:
-        later = argparse.Namespace(**{**vars(namespaces[-1]), "more": None})
+        later = argparse.Namespace(**{**vars(args), "more": None})
         namespaces.append(args.parser.parse_args(namespaces[-1].more, namespace=later))
     run: dict = {}
     for ns in namespaces:
@@ -331,12 +331,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny model (hidden 64, 2 layers, tokens 1x8, aot_eager; llama unless --models): the "
                              "machinery in seconds, on CPU too (timings not GPU timings)")
     models.add_argument("--and", dest="more", nargs=argparse.REMAINDER, metavar="OPTION",
-                        help="another selection measured by the same run, into the same file, after this one: the "
-                             "options after --and (up to the next --and) replace this selection's, the others carry "
-                             "over; --out, --fresh, --compile-jobs, --stop-after, --smoke and --plan are the run's, "
-                             "wherever they stand "
-                             "(e.g. ... --modes default --impls stock,patched --and --modes eager --impls "
-                             "stock,patched,liger --and --float8 rowwise --models llama)")
+                        help="another selection measured by the same run, into the same file, after the first: "
+                             "the options after --and (up to the next --and) replace the first selection's, the "
+                             "others carry over; --out, --fresh, --compile-jobs, --stop-after, --smoke and --plan are "
+                             "the run's, wherever they stand (e.g. --models A,B,C --modes default --impls "
+                             "stock,patched --and --modes eager --impls stock,patched,liger --and --models A "
+                             "--float8 rowwise)")
     models.set_defaults(func=_bench_models, parser=models)
     args = parser.parse_args(argv)
     try:

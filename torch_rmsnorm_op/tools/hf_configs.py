@@ -41,8 +41,10 @@ TINY: dict[str, Any] = dict(
 # Layer counts of a config's parts (an encoder-decoder's, a vision tower's), set to the layer count.
 PART_LAYER_KEYS = ("depth", "encoder_layers", "decoder_layers", "num_decoder_layers")
 # Lists of one kind per layer, repeated or cut to the layer count (``mtp_*``: the extra layers
-# of multi-token prediction, not decoder layers, keep theirs).
+# of multi-token prediction, not decoder layers, keep theirs); also strings of one character per
+# layer (``hybrid_override_pattern``, as some releases hold a hybrid's layers).
 LAYER_KIND_SUFFIXES = ("layer_types", "layers_block_type", "block_types")
+LAYER_PATTERN_SUFFIX = "_pattern"
 
 
 def at_most(limit: int) -> Callable[[Any], Any]:
@@ -56,10 +58,12 @@ def derived(config, key: str) -> bool:
     return isinstance(getattr(type(config), config.attribute_map.get(key, key), None), property)
 
 
-def _layer_kind_keys(config) -> list[str]:
-    return [key for key, value in vars(config).items()
-            if key.endswith(LAYER_KIND_SUFFIXES) and not key.startswith("mtp") and isinstance(value, list) and value
-            and all(isinstance(v, str) for v in value)]
+def _layer_kind_keys(config, patterns: bool = True) -> list[str]:
+    """The attributes of ``config`` that hold one kind per layer: lists of strings, and (unless
+    not ``patterns``) strings of one character per layer."""
+    return [key for key, value in vars(config).items() if not key.startswith("mtp") and value and (
+        (key.endswith(LAYER_KIND_SUFFIXES) and isinstance(value, list) and all(isinstance(v, str) for v in value))
+        or (patterns and key.endswith(LAYER_PATTERN_SUFFIX) and isinstance(value, str)))]
 
 
 def shrink_config(default, sizes: Mapping[str, Any], own: Mapping[str, Any] | None = None, *,
@@ -102,6 +106,10 @@ def shrink_config(default, sizes: Mapping[str, Any], own: Mapping[str, Any] | No
             and not derived(default, "layer_types")):
         n = small["num_hidden_layers"]
         small["layer_types"] = (layer_types * n)[:n]
+    if isinstance(layers, int):  # a string pattern is passed in too: its constructor reads the layers from it
+        for key in set(_layer_kind_keys(default)) - set(_layer_kind_keys(default, patterns=False)):
+            if not derived(default, key):
+                small[key] = (getattr(default, key) * layers)[:layers]
     small.update(own or {})
     small.update({key: 0.0 for key, value in default.to_dict().items()
                   if "dropout" in key and isinstance(value, float)})

@@ -144,12 +144,15 @@ where the configuration failed.
 Output: ``<out>/<date>-<gpu>-models.json`` (``--out``; default ``runs/bench-models``, which git
 ignores: results are committed only where a run is pointed at a folder for them) with ``gpu``,
 ``torch``, ``triton``, ``transformers``, ``liger_kernel``, ``torchao``, ``date``,
-``static_launch``, ``copy_GBs``, ``timing``, ``tolerances``, ``selection`` (of the latest run),
-``unfinished`` and ``rows``, a Markdown table (``.md``) and a PNG chart (``.png``) beside it,
-all rewritten after every row: a run stopped part-way keeps every row it finished. A run merges
-into the file of its date and GPU: rows of configurations it does not measure are kept (each
-row carries its run's ``commit``, ``run_started`` and ``copy_GBs``), so a matrix can be measured
-in several runs.
+``static_launch``, ``copy_GBs``, ``timing``, ``tolerances``, ``selections`` (of the latest run),
+``notes``, ``unfinished`` and ``rows``, a Markdown table (``.md``) and a PNG chart (``.png``)
+beside it, all rewritten after every row: a run stopped part-way keeps every row it finished.
+Every row holds the ``ROW_KEY`` fields and ``MEASURED_FIELDS`` (null where it measured nothing).
+A run merges into the file of its date and GPU: rows of configurations it does not measure are
+kept (each row carries its run's ``commit``, ``run_started`` and ``copy_GBs``), so a matrix can
+be measured in several runs. One run may also measure several selections one after the other
+(``run``'s list; ``bench-models ... --and ...``): a matrix that is not one cross product (float8
+rows for some models, Liger in eager mode only) in one command.
 
 Inductor's static launch: a run sets ``TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1``
 for its own process when it starts (``use_static_launch``; a value already in the environment
@@ -159,12 +162,20 @@ which may be before anything is patched. The header's ``static_launch`` records 
 
 How long a run takes: on the H200 (torch 2.11, Triton 3.6, caches cold) a training graph of
 these models compiles in 13–26 s and an inference graph in 5–14 s, so a compiled model costs
-about 35 s with its timing; ``--plan`` prints a selection's compile count. ``--compile-jobs N``
+about 35 s with its timing; ``--plan`` prints a run's compile count. ``--compile-jobs N``
 fills Inductor's on-disk caches from ``N`` parallel worker processes before the serial timing
 (the timing process then loads compiled graphs from the cache); ``--rounds``, ``--steps``,
 ``--warmup`` and ``--profile-steps`` trade precision for time; ``--stop-after S`` starts no new
 configuration once ``S`` seconds have passed (the JSON's ``unfinished`` lists what was left).
-An eager configuration compiles nothing and costs its steps alone.
+An eager configuration compiles nothing and costs its steps alone. A matrix of nine types in
+default mode, float8 rows for three of them, and every type eager with Liger, as one command
+(96 compiles; ``--plan`` says so before anything runs)::
+
+    python -m torch_rmsnorm_op bench-models \\
+        --models llama,qwen3,mistral,qwen2,phi3,gemma3_text,glm4,qwen3_moe,nemotron_h --hidden 2048 \\
+        --tokens 4x2048,1x16 --modes default --impls stock,patched --compile-jobs 12 --rounds 2 --steps 5 \\
+        --stop-after 540 --and --models llama,qwen3,mistral --float8 rowwise \\
+        --and --modes eager --impls stock,patched,liger
 """
 
 from __future__ import annotations
@@ -270,6 +281,8 @@ COPY_NUMEL = 1 << 30  # 2 GiB of bf16, as tools/benchmark.py
 KERNEL_NAME_CHARS = 120  # top_kernels keys (GEMM template names run long); norm kernels keep full names
 TOP_KERNELS = 12
 ERROR_CHARS = 500
+# In every row (with the ROW_KEY fields), null where the row measured nothing (an error, a skipped impl).
+MEASURED_FIELDS = ("step_ms", "gpu_ms", "step_peak_extra_GiB")
 
 
 class ModelTypeError(ValueError):
@@ -1332,6 +1345,7 @@ def run(selections: Selection | Sequence[Selection], out_dir: str = DEFAULT_OUT,
     import transformers
     import triton
 
+    started = time.monotonic()
     sels = _selections(selections)
     static_launch = use_static_launch()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -1358,7 +1372,8 @@ def run(selections: Selection | Sequence[Selection], out_dir: str = DEFAULT_OUT,
     if any(s.compiled_modes for s in sels):
         install_library_passes()
         if compile_jobs > 0:
-            warm_caches(sels, compile_jobs)
+            stop_after = sels[0].stop_after
+            warm_caches(sels, compile_jobs, deadline=None if stop_after is None else started + stop_after)
     from torch_rmsnorm_op.tools.benchmark import copy_ceiling
 
     copy_gbs = copy_ceiling(20, 5, str(device), numel=COPY_NUMEL if device.type == "cuda" else 1 << 22)
@@ -1376,9 +1391,10 @@ def run(selections: Selection | Sequence[Selection], out_dir: str = DEFAULT_OUT,
     base = {"commit": _commit(), "run_started": datetime.datetime.now().isoformat(timespec="seconds"),
             "copy_GBs": round(copy_gbs, 1)}
     rows: list[dict] = []
-    started = time.monotonic()
 
     def emit(row: dict) -> None:
+        for field in MEASURED_FIELDS:  # every row has them, null where nothing was measured
+            row.setdefault(field, None)
         rows.append(row)
         mine = {_key(r) for r in rows}
         result["rows"] = [r for r in previous if _key(r) not in mine] + rows
@@ -1550,7 +1566,7 @@ def worker_commands(sel: Selection) -> list[tuple[list[str], str]]:
     return cmds
 
 
-def warm_caches(sel: Selection | Sequence[Selection], jobs: int) -> None:
+def warm_caches(sel: Selection | Sequence[Selection], jobs: int, deadline: float | None = None) -> None:
     """Compile every compiled model of ``sel`` (a selection or several) in ``jobs`` parallel
     worker processes (``worker_commands``, each once), filling Inductor's and Triton's on-disk
     caches; the timing that follows loads the graphs from there. A worker that fails costs only
@@ -1562,7 +1578,8 @@ def warm_caches(sel: Selection | Sequence[Selection], jobs: int) -> None:
     model's copies of one kernel carry different names, so they are tuned apart. Every worker
     installs the library's Inductor passes before compiling (``install_library_passes``), as the
     timing process has them, so that stock's graphs carry the timing process's cache key; the
-    workers inherit this process's environment, ``STATIC_LAUNCH_ENV`` with it."""
+    workers inherit this process's environment, ``STATIC_LAUNCH_ENV`` with it. No worker starts
+    after ``deadline`` (a ``time.monotonic()`` value)."""
     cmds = list({tuple(cmd): (cmd, label) for one in _selections(sel) for cmd, label in worker_commands(one)}.values())
     _log(f"compiling {len(cmds)} models in {jobs} worker processes")
     started = time.time()
@@ -1570,6 +1587,9 @@ def warm_caches(sel: Selection | Sequence[Selection], jobs: int) -> None:
     def work(item: tuple[list[str], str]) -> None:
         cmd, label = item
         t0 = time.monotonic()
+        if deadline is not None and t0 > deadline:
+            _log(f"past --stop-after: not compiled ahead: {label}")
+            return
         out = subprocess.run(cmd, capture_output=True, text=True)
         tail = "" if out.returncode == 0 else ": FAILED " + (out.stderr or out.stdout)[-300:]
         _log(f"compiled {label} in {time.monotonic() - t0:.0f} s{tail}")
