@@ -1,4 +1,4 @@
-"""Model benchmark: any transformers causal LM, eager or compiled, stock, patched with our ops, and with Liger's.
+"""Model benchmark: any transformers causal LM, eager or compiled: stock, patched with our ops, and Liger's.
 
 Models. ``--models`` takes transformers model types (a config's ``model_type``: ``llama``,
 ``qwen3``, ``gemma2``, ``qwen3_moe``, ``nemotron_h``, ...; ``DEFAULT_MODELS`` unless told). Each
@@ -10,7 +10,7 @@ mixtures of experts capped at ``MOE_EXPERTS`` experts, ``MOE_TOP_K`` per token, 
 the size's dense MLP; latent attention's q and kv ranks 3/4 and 1/4 of hidden; linear
 attention's heads as the size's (value heads twice as many); Mamba mixers of heads of
 ``MAMBA_HEAD_DIM`` over twice hidden; per-layer kind lists cut to the layer count; a multimodal
-model's text config at the size and its other configs tiny (token ids alone reach them not).
+model's text config at the size and its other configs tiny (token ids alone do not reach them).
 bf16, ``attn_implementation="sdpa"`` (``"eager"`` for a class without it: the row's
 ``attention``), no KV cache, untied embeddings, random weights (RMSNorm weights drawn from U(0.5,
 1.5)), random token ids. A type that is not one, or has no causal-LM class, and a shrunk config
@@ -24,7 +24,7 @@ One configuration is (model, hidden, layers, tokens, mode, float8, pass, impl):
   the ``"error"`` fallback policy (a norm the kernels do not serve fails the row instead of
   timing the reference); ``liger`` swaps each RMSNorm module of this model instance for
   ``liger_kernel``'s ``LigerRMSNorm`` holding the same weight Parameter (no global class is
-  touched; ``liger_settings``). Liger runs only where ``liger_kernel`` imports and on a GPU (its
+  touched; ``liger_plan``). Liger runs only where ``liger_kernel`` imports and on a GPU (its
   kernels do not run through the Triton interpreter), and only for a model whose every RMSNorm
   ``LigerRMSNorm`` can express (not a gated norm, nor semantics other than Llama's, Gemma's
   ``1 + weight`` and ``F.rms_norm``'s): else a row with ``skipped`` says why. Each impl runs on
@@ -629,21 +629,25 @@ def liger_plan(model: nn.Module) -> tuple[list[tuple[nn.Module, str, nn.Module, 
     attribute, module, eps, settings)`` (``LIGER_SETTINGS`` by what the module computes,
     ``recognize``), and a description of each RMSNorm module it cannot express (a gated norm,
     other semantics, no weight of one dim, an eps not found)."""
-    swaps, kept, cache, done = [], [], {}, set()
+    swaps, kept, cache = [], [], {}
+    decided: dict[int, tuple[float, dict] | None] = {}  # a module held by two parents is decided once
     for parent in list(model.modules()):
         for attr, child in list(parent.named_children()):
-            if not (_is_hf_rmsnorm(child) or isinstance(child, nn.RMSNorm)) or id(child) in done:
+            if not (_is_hf_rmsnorm(child) or isinstance(child, nn.RMSNorm)):
                 continue
-            done.add(id(child))
-            found = recognize(child, cache=cache)
-            semantics = getattr(getattr(found, "semantics", None), "name", None)
-            weight = getattr(child, "weight", None)
-            if (found is None or found.eps is None or semantics not in LIGER_SETTINGS
-                    or not isinstance(weight, nn.Parameter) or weight.dim() != 1):
-                why = "not recognized" if found is None else (semantics or type(found.semantics).__name__)
-                kept.append(f"{type(child).__name__} ({why})")
-                continue
-            swaps.append((parent, attr, child, float(found.eps), LIGER_SETTINGS[semantics]))
+            if id(child) not in decided:
+                found = recognize(child, cache=cache)
+                semantics = getattr(getattr(found, "semantics", None), "name", None)
+                weight = getattr(child, "weight", None)
+                if (found is None or found.eps is None or semantics not in LIGER_SETTINGS
+                        or not isinstance(weight, nn.Parameter) or weight.dim() != 1):
+                    why = "not recognized" if found is None else (semantics or type(found.semantics).__name__)
+                    kept.append(f"{type(child).__name__} ({why})")
+                    decided[id(child)] = None
+                else:
+                    decided[id(child)] = (float(found.eps), LIGER_SETTINGS[semantics])
+            if decided[id(child)] is not None:
+                swaps.append((parent, attr, child, *decided[id(child)]))
     return swaps, kept
 
 
@@ -661,20 +665,22 @@ def liger_refusal(model: nn.Module) -> str | None:
 @contextlib.contextmanager
 def _liger_swapped(model: nn.Module) -> Iterator[int]:
     """Each RMSNorm of this model instance that ``liger_plan`` swaps replaced by a
-    ``LigerRMSNorm`` holding the original weight Parameter, put back after; yields how many.
-    Modules it cannot express keep their own forward."""
+    ``LigerRMSNorm`` holding the original weight Parameter (one for a module held in several
+    places), put back after; yields how many modules. Modules it cannot express keep their own
+    forward."""
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
 
     swaps, _ = liger_plan(model)
-    swapped = []
+    swapped, made = [], {}
     for parent, attr, child, eps, settings in swaps:
-        liger = LigerRMSNorm(child.weight.shape[0], eps=eps, **settings)
-        liger.weight = child.weight
-        liger.train(child.training)
-        setattr(parent, attr, liger)
+        if id(child) not in made:
+            made[id(child)] = LigerRMSNorm(child.weight.shape[0], eps=eps, **settings)
+            made[id(child)].weight = child.weight
+            made[id(child)].train(child.training)
+        setattr(parent, attr, made[id(child)])
         swapped.append((parent, attr, child))
     try:
-        yield len(swapped)
+        yield len(made)
     finally:
         for parent, attr, child in swapped:
             setattr(parent, attr, child)
