@@ -3,13 +3,14 @@
 Each ``*ForCausalLM`` class of the installed transformers (``--head``: the classes whose names
 end in another head, such as ``ForConditionalGeneration``: multimodal and encoder-decoder
 models, run on token ids alone) is built from its config class's defaults shrunk to two layers
-of width 64 (``SMALL``: the attributes a config has, passed to its constructor so that the
-attributes derived from them follow; ``layer_types`` cut to the two layers; a latent-attention
-config's key/value heads as its query heads; the configs it holds, a multimodal model's text and
-vision configs among them, shrunk alike; ``OWN``: what a default config leaves to checkpoints;
-dropout off), in fp32, then patched (``patch_rmsnorm``). Its logits on random token ids (an
-encoder-decoder's decoder gets the same ids) are compared with the unpatched model's under the ``"error"``
-fallback policy, so that every norm the patcher swapped must run the kernels; with
+of width 64 (``SMALL``, by ``torch_rmsnorm_op.tools.hf_configs.shrink_config``: the attributes
+a config has, passed to its constructor so that the attributes derived from them follow;
+per-layer kind lists cut to the two layers; a latent-attention config's key/value heads as its
+query heads; the configs it holds, a multimodal model's text and vision configs among them,
+shrunk alike; ``OWN``: what a default config leaves to checkpoints; dropout off), in fp32,
+then patched (``patch_rmsnorm``). Its logits on random token ids (an encoder-decoder's decoder
+gets the same ids) are compared with the unpatched model's under the ``"error"`` fallback
+policy, so that every norm the patcher swapped must run the kernels; with
 ``--compile``, a training step (forward with labels, backward) of the patched model under
 ``torch.compile`` (Inductor) is compared with the unpatched model's eager step, logits and
 every parameter's gradient, and graph breaks are counted (the unpatched model's compiled step
@@ -39,14 +40,10 @@ import subprocess
 import sys
 import time
 
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=128, max_position_embeddings=256, moe_intermediate_size=32, num_experts=4,
-             num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4, shared_expert_intermediate_size=48,
-             kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1,
-             topk_group=1, first_k_dense_replace=1, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-             sliding_window=64, d_model=64, d_ff=96, num_layers=2, num_heads=4, d_kv=16, expand=1,
-             n_shared_experts=1, num_kv_shared_layers=0, index_n_heads=4, index_head_dim=16, n_groups=1)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torch_rmsnorm_op.tools.hf_configs import TINY, shrink_config  # noqa: E402
+
+SMALL = TINY  # width 64, two layers (torch_rmsnorm_op.tools.hf_configs)
 OWN = {  # what a family's default config leaves to its checkpoints
     "Lfm2MoeForCausalLM": dict(layer_types=["conv", "full_attention"]),
 }
@@ -64,11 +61,6 @@ def model_names(head: str = "ForCausalLM") -> list[str]:
                   if n.endswith(head) and not n.startswith(("TF", "Flax", "Auto")))
 
 
-def _derived(config, key: str) -> bool:
-    """Whether ``config.key`` is a property derived from other attributes (those are set instead)."""
-    return isinstance(getattr(type(config), config.attribute_map.get(key, key), None), property)
-
-
 def _build(name: str):
     import torch
     import transformers
@@ -82,51 +74,7 @@ def _build(name: str):
 def _small_config(default, own: dict):
     """``default`` (a config) shrunk as the module docstring says, with ``own`` on top, and each
     config it holds (a multimodal model's text and vision configs, a hybrid's parts) likewise."""
-    from transformers import PretrainedConfig
-
-    cls = type(default)
-    small = {key: _small_config(value, {}) for key, value in vars(default).items()
-             if isinstance(value, PretrainedConfig)}
-    for key in ("depth", "encoder_layers", "decoder_layers", "num_decoder_layers"):  # the parts' layer counts
-        if isinstance(getattr(default, key, None), int) and not _derived(default, key):
-            small[key] = 2
-    for key, value in SMALL.items():
-        try:
-            if hasattr(default, key) and not _derived(default, key):
-                small[key] = value
-        except (AttributeError, RuntimeError):  # a per-layer attribute of this config: its layers' configs keep theirs
-            pass
-    if hasattr(default, "qk_rope_head_dim"):  # latent attention: head_dim is its rotary part or follows its parts
-        rotary = getattr(default, "head_dim", None) == default.qk_rope_head_dim
-        small.pop("head_dim", None)
-        if rotary:
-            small["head_dim"] = SMALL["qk_rope_head_dim"]
-        if "num_attention_heads" in small:
-            small["num_key_value_heads"] = small["num_attention_heads"]
-    layer_types = getattr(default, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types and "num_hidden_layers" in small and not _derived(
-            default, "layer_types"):
-        n = small["num_hidden_layers"]
-        small["layer_types"] = (layer_types * n)[:n]
-    small.update(own)
-    small.update({key: 0.0 for key, value in default.to_dict().items()
-                  if "dropout" in key and isinstance(value, float)})
-    try:  # through the constructor, so that attributes derived from these follow them
-        config = cls(**small)
-    except Exception:  # noqa: BLE001 (a value this config's own validation refuses: set what it takes)
-        config = cls()
-        for key, value in small.items():
-            try:
-                setattr(config, key, value)
-            except (AttributeError, TypeError, ValueError):  # a derived property of this config
-                pass
-    layer_types = getattr(config, "layer_types", None)
-    if isinstance(layer_types, list) and layer_types:
-        try:
-            config.layer_types = (layer_types * config.num_hidden_layers)[: config.num_hidden_layers]
-        except AttributeError:  # derived from other attributes in this config
-            pass
-    return config
+    return shrink_config(default, SMALL, own)
 
 
 def _step(model, ids, train: bool, compiled: bool):

@@ -29,11 +29,11 @@ from torch_rmsnorm_op.tools import model_benchmark as mb  # noqa: E402
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
-    p.add_argument("--model", default="llama", choices=tuple(mb.FAMILIES))
+    p.add_argument("--model", default="llama", help="a transformers model type with a causal-LM class")
     p.add_argument("--hidden", type=int, default=2048, choices=tuple(mb.SIZES))
     p.add_argument("--tokens", default="4x2048")
     p.add_argument("--pass", dest="pass_", default="infer", choices=mb.PASSES)
-    p.add_argument("--mode", default="default", choices=("default", "reduce-overhead"))
+    p.add_argument("--mode", default="default", choices=mb.MODES)
     p.add_argument("--impls", default="stock,patched")
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()

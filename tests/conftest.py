@@ -32,6 +32,7 @@ LONGEST_ON_CPU = [
     "test_model_compile.py::test_cpu_aoti_package_computes_the_norms_without_python",
     "test_fusion.py::test_a_model_compiled_with_a_dynamic_batch_fuses_in_one_graph_for_every_batch_size",
     "test_model_benchmark.py::test_smoke_run_writes_the_declared_schema",
+    "test_model_benchmark.py::test_float8_smoke_run_converts_every_linear_but_the_head",
     "test_families.py::test_family_under_inductor[qwen3_next]",
     "test_families.py::test_family_under_inductor[gemma3n]",
     "test_demo.py::test_demo_writes_runs_summary_and_says_how_to_view",

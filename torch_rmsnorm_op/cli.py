@@ -142,6 +142,50 @@ def _tokens(text: str) -> tuple[int, int]:
     return int(batch), int(seq)
 
 
+# bench-models options that belong to the run as a whole, not to one of its selections (--and)
+RUN_OPTIONS = ("out", "fresh", "compile_jobs", "stop_after", "smoke", "plan", "compile_only", "rederive")
+
+
+def _model_selections(args: argparse.Namespace) -> list:
+    """The ``Selection`` of ``bench-models``' options, then one per ``--and`` (its options over
+    the first selection's). The run's options (``RUN_OPTIONS``) may stand in any part; they are
+    set on ``args``, and one given two different values is refused."""
+    from torch_rmsnorm_op.tools import model_benchmark as mb
+
+    namespaces = [args]
+    while namespaces[-1].more:
+        later = argparse.Namespace(**{**vars(args), "more": None})
+        namespaces.append(args.parser.parse_args(namespaces[-1].more, namespace=later))
+    run: dict = {}
+    for ns in namespaces:
+        for name in RUN_OPTIONS:
+            value = getattr(ns, name)
+            if value != args.parser.get_default(name):
+                if run.setdefault(name, value) != value:
+                    raise ValueError(f"--{name.replace('_', '-')} is the run's, given two values: "
+                                     f"{run[name]!r} and {value!r}")
+    for name, value in run.items():
+        setattr(args, name, value)
+    smoke = args.smoke
+    return [mb.Selection(
+        models=ns.models or (mb.SMOKE_MODELS if smoke else mb.DEFAULT_MODELS),
+        hiddens=ns.hidden or mb.DEFAULT_HIDDENS,
+        tokens=ns.tokens or (mb.SMOKE_TOKENS if smoke else mb.DEFAULT_TOKENS),
+        modes=ns.modes or (("default",) if smoke else mb.DEFAULT_MODES),
+        float8=tuple(None if r == "none" else r for r in ns.float8 or ("none",)),
+        passes=ns.passes or mb.PASSES,
+        impls=ns.impls or mb.IMPLS,
+        layers=ns.layers,
+        steps=ns.steps or (3 if smoke else 10),
+        warmup=ns.warmup or (2 if smoke else 5),
+        profile_steps=ns.profile_steps or (1 if smoke else 3),
+        rounds=ns.rounds or (2 if smoke else 4),
+        backend=ns.backend or ("aot_eager" if smoke else "inductor"),
+        smoke=smoke,
+        stop_after=args.stop_after,
+    ) for ns in namespaces]
+
+
 def _bench_models(args: argparse.Namespace) -> int:
     from torch_rmsnorm_op.tools import model_benchmark as mb
 
@@ -149,37 +193,24 @@ def _bench_models(args: argparse.Namespace) -> int:
         stem = mb.rederive(args.rederive)
         print(f"wrote {stem}.json, .md, .png")
         return 0
-    smoke = args.smoke
-    sel = mb.Selection(
-        models=args.models or (("llama",) if smoke else mb.DEFAULT_MODELS),
-        hiddens=args.hidden or mb.DEFAULT_HIDDENS,
-        tokens=args.tokens or (mb.SMOKE_TOKENS if smoke else mb.DEFAULT_TOKENS),
-        modes=args.modes or (("default",) if smoke else mb.MODES),
-        passes=args.passes or mb.PASSES,
-        impls=args.impls or mb.IMPLS,
-        layers=args.layers,
-        steps=args.steps or (3 if smoke else 10),
-        warmup=args.warmup or (2 if smoke else 5),
-        profile_steps=args.profile_steps or (1 if smoke else 3),
-        rounds=args.rounds or (2 if smoke else 4),
-        backend=args.backend or ("aot_eager" if smoke else "inductor"),
-        smoke=smoke,
-    )
+    selections = _model_selections(args)
     if args.plan:
-        for spec in sel.specs():
-            print(f"{spec.family} hidden {spec.hidden}, {spec.layers} layers, MLP {spec.intermediate}, "
-                  f"{spec.heads} heads ({spec.kv_heads} kv) of {spec.head_dim}, vocab {spec.vocab}")
-        print(f"tokens {', '.join(f'{b}x{s}' for b, s in sel.tokens)}; modes {', '.join(sel.modes)}; passes "
-              f"{', '.join(sel.passes)}; impls {', '.join(sel.impls)} (liger where liger_kernel imports): "
-              f"{sel.compiles()} compiles")
+        for i, sel in enumerate(selections):
+            print(("" if i == 0 else "and:\n") + "\n".join(sel.plan()))
+        if len(selections) > 1:
+            print(f"{sum(sel.compiles() for sel in selections)} compiles in all")
         return 0
-    if not smoke and not torch.cuda.is_available():
+    if not args.smoke and not torch.cuda.is_available():
         print(NO_GPU.format(command="bench-models"), file=sys.stderr)
         return 2
+    # Before anything imports Inductor's config (building a model does): its option and its compile
+    # workers read the variable.
+    mb.use_static_launch()
     if args.compile_only:
-        mb.compile_only(sel)
+        for sel in selections:
+            mb.compile_only(sel)
         return 0
-    stem = mb.run(sel, args.out, fresh=args.fresh, compile_jobs=args.compile_jobs)
+    stem = mb.run(selections, args.out, fresh=args.fresh, compile_jobs=args.compile_jobs)
     print(open(stem + ".md").read())
     print(f"wrote {stem}.json, .md, .png")
     return 0
@@ -230,18 +261,23 @@ def main(argv: list[str] | None = None) -> int:
     integ.set_defaults(func=_train_integration)
     models = sub.add_parser(
         "bench-models",
-        help="time transformers models compiled stock vs patched vs Liger (train step, inference forward; GPU; "
-             "--smoke on CPU)",
-        description="Time Hugging Face decoders built from configs (bf16, sdpa, vocab 32000), compiled stock, "
-                    "patched with torch_rmsnorm_op and with Liger's RMSNorm: median step time (CUDA events), GPU "
-                    "time per step and the norm kernels (torch.profiler), checked against stock. Lists are "
-                    "comma-separated. Compiling dominates the run time: select what you need, see --plan.",
+        help="time any transformers causal LM eager or compiled: stock vs patched vs Liger, float8 too (train step, "
+             "inference forward; GPU; --smoke on CPU)",
+        description="Time Hugging Face causal LMs of any model type, built from their config class shrunk to one "
+                    "size (bf16, sdpa, vocab 32000), eager or compiled: stock, patched with torch_rmsnorm_op and "
+                    "with Liger's RMSNorm, optionally with torchao's float8 Linears: median step time (CUDA events), "
+                    "GPU time per step and the norm kernels (torch.profiler), peak memory per step, checked against "
+                    "stock. Lists are comma-separated. Compiling dominates the run time: select what you need, see "
+                    "--plan. The run sets TORCHINDUCTOR_STATIC_LAUNCH_USER_DEFINED_TRITON_KERNELS=1 for its own "
+                    "process when it starts, unless it is set (Inductor launches user-defined Triton kernels, ours and "
+                    "Liger's, statically in every impl alike; set it to 0 to measure without).",
     )
     from torch_rmsnorm_op.tools import model_benchmark as mb
 
-    models.add_argument("--models", type=_list_of("models", tuple(mb.FAMILIES)),
-                        help=f"families (default: {','.join(mb.DEFAULT_MODELS)}; also "
-                             f"{','.join(sorted(set(mb.FAMILIES) - set(mb.DEFAULT_MODELS)))})")
+    models.add_argument("--models", type=_list_of("models"),
+                        help="transformers model types with a causal-LM class, e.g. llama,qwen3,gemma2,qwen3_moe,"
+                             f"nemotron_h (default: {','.join(mb.DEFAULT_MODELS)}; {','.join(mb.SMOKE_MODELS)} with "
+                             "--smoke)")
     models.add_argument("--hidden", type=_list_of("hidden", tuple(mb.SIZES), int),
                         help="hidden sizes, each with its layer shape (head_dim 128): "
                              + "; ".join(f"{h} ({s.layers} layers, MLP {s.intermediate}, {s.heads} heads, "
@@ -250,11 +286,17 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--tokens", type=_list_of("tokens", None, _tokens),
                         help="BATCHxSEQ list (default: 4x2048,1x16)")
     models.add_argument("--modes", type=_list_of("modes", mb.MODES),
-                        help="torch.compile modes (default: default,reduce-overhead)")
+                        help="eager (uncompiled), default, reduce-overhead (torch.compile's modes) (default: "
+                             f"{','.join(mb.DEFAULT_MODES)})")
+    models.add_argument("--float8", type=_list_of("float8", ("none", *mb.FLOAT8_RECIPES)),
+                        help="none and/or torchao float8 training recipes (" + ",".join(mb.FLOAT8_RECIPES) + "): "
+                             "every Linear but the LM head converted with convert_to_float8_training; needs torchao "
+                             "and a GPU of compute capability 8.9+ (default: none)")
     models.add_argument("--passes", type=_list_of("passes", mb.PASSES),
                         help="train (forward with labels + backward) and/or infer (forward, no grad) (default: both)")
     models.add_argument("--impls", type=_list_of("impls", mb.IMPLS),
-                        help="stock, patched, liger (default: all three; liger only where liger_kernel imports)")
+                        help="stock, patched, liger (default: all three; liger only where liger_kernel imports, on a "
+                             "GPU, and for models whose every RMSNorm LigerRMSNorm expresses)")
     models.add_argument("--layers", type=int, help="decoder layers, overriding the size's count")
     models.add_argument("--steps", type=int,
                         help="timed steps per impl and round; the median over all rounds is reported (default: 10)")
@@ -264,16 +306,21 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--warmup", type=int, help="steps before timing, the first compiles (default: 5)")
     models.add_argument("--profile-steps", type=int,
                         help="profiled steps per impl and round, for GPU time (default: 3)")
+    models.add_argument("--stop-after", type=float, metavar="SECONDS",
+                        help="start no new configuration after this many seconds; the results list what was left "
+                             "(default: no limit)")
     models.add_argument("--backend", help="torch.compile backend (default: inductor; aot_eager with --smoke)")
     models.add_argument("--compile-jobs", type=int, default=0,
-                        help="first compile every model in this many parallel worker processes, filling Inductor's "
-                             "on-disk caches, then time serially loading from them; the timing process autotunes "
-                             "Inductor's kernels itself (default: 0, compile while timing)")
+                        help="first compile every compiled model in this many parallel worker processes, filling "
+                             "Inductor's on-disk caches, then time serially loading from them; the timing process "
+                             "autotunes Inductor's kernels itself (default: 0, compile while timing)")
     models.add_argument("--compile-only", action="store_true",
                         help="compile the selected configurations (one step each) and time nothing")
-    models.add_argument("--plan", action="store_true", help="print the configurations and compile count, run nothing")
-    models.add_argument("--out", default="profiling/results/models",
-                        help="output folder (default: profiling/results/models)")
+    models.add_argument("--plan", action="store_true",
+                        help="print the configurations and compile count, run nothing")
+    models.add_argument("--out", default=mb.DEFAULT_OUT,
+                        help=f"output folder (default: {mb.DEFAULT_OUT}, which git ignores; name a folder under "
+                             "profiling/results/ to commit results)")
     models.add_argument("--fresh", action="store_true",
                         help="replace the results file of this date and GPU instead of merging into it")
     models.add_argument("--rederive", metavar="FILE",
@@ -283,7 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     models.add_argument("--smoke", action="store_true",
                         help="tiny model (hidden 64, 2 layers, tokens 1x8, aot_eager; llama unless --models): the "
                              "machinery in seconds, on CPU too (timings not GPU timings)")
-    models.set_defaults(func=_bench_models)
+    models.add_argument("--and", dest="more", nargs=argparse.REMAINDER, metavar="OPTION",
+                        help="another selection measured by the same run, into the same file, after the first: "
+                             "the options after --and (up to the next --and) replace the first selection's, the "
+                             "others carry over; --out, --fresh, --compile-jobs, --stop-after, --smoke and --plan are "
+                             "the run's, wherever they stand (e.g. --models A,B,C --modes default --impls "
+                             "stock,patched --and --modes eager --impls stock,patched,liger --and --models A "
+                             "--float8 rowwise)")
+    models.set_defaults(func=_bench_models, parser=models)
     args = parser.parse_args(argv)
     try:
         return args.func(args)
