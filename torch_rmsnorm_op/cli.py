@@ -84,7 +84,7 @@ def _check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from torch_rmsnorm_op.tools.demo import run_demo
 
-    text = run_demo(args.logdir)
+    text = run_demo(args.logdir, rounds=args.rounds)
     print(text)
     print(f"Traces: {args.logdir}/stock and {args.logdir}/patched (*.pt.trace.json; open them in Perfetto too).")
     print(f"View:   tensorboard --logdir {args.logdir}   (PyTorch Profiler tab: runs 'stock' and 'patched')")
@@ -229,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile a model twice (Inductor's RMSNorm vs ours), check they agree, profile both, summarize",
     )
     demo.add_argument("--logdir", default="runs", help="where the runs and the summary go (default: runs)")
+    demo.add_argument("--rounds", type=_positive("--rounds"), default=None,
+                      help="rounds of profiling, stock and patched in alternating order; ratios are reported by "
+                           "their median and range over the rounds (default: 5 on a GPU, 2 on CPU)")
     demo.set_defaults(func=_demo)
     bench = sub.add_parser(
         "bench", help="time ours vs Inductor vs eager over a shape sweep, with the copy ceiling (GPU; --smoke on CPU)"
