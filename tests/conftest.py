@@ -1,5 +1,6 @@
 """Test setup: where the kernels run, how Inductor's CPU kernels compile, the ``cuda`` marker,
-the order tests start in, and a clean policy per test.
+the order tests start in, a clean policy per test, and the reasons of skips other than the
+``cuda`` marker's at the end of the run.
 
 Without CUDA the kernels run on CPU tensors through the Triton interpreter,
 which must be chosen before any kernel is defined, hence before the package
@@ -90,6 +91,23 @@ def pytest_collection_modifyitems(config, items):
         if len(items) > 3:
             # Two workers each start with two tests: the longest and the third, the second and the fourth.
             items[1], items[2] = items[2], items[1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """List the tests skipped for a reason other than the ``cuda`` marker, with that reason, where
+    ``-rs`` does not already: under ``-q`` a skip is otherwise one letter in a count."""
+    if "s" in terminalreporter.reportchars:
+        return
+    rows = []
+    for report in terminalreporter.stats.get("skipped", []):
+        if "cuda" in report.keywords:
+            continue
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        rows.append(f"{report.nodeid}: {reason.removeprefix('Skipped: ')}")
+    if rows:
+        terminalreporter.section("skipped here, not for want of a GPU")
+        for row in sorted(rows):
+            terminalreporter.line(row)
 
 
 @pytest.fixture

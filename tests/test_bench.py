@@ -16,11 +16,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bench_smoke_writes_the_declared_schema(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench", "--smoke", "--iters", "1", "--repeats", "1",
-                          "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600)
+    """Run from a folder of its own without ``--out``: the results go to ``runs/bench/`` under it
+    (the default, ignored by git), not into the committed ``profiling/results/``."""
+    out = subprocess.run([sys.executable, "-m", "torch_rmsnorm_op", "bench", "--smoke", "--iters", "1", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    (path,) = tmp_path.glob("*.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["runs"], list(tmp_path.iterdir())
+    (path,) = (tmp_path / "runs" / "bench").glob("*.json")
     result = json.loads(path.read_text())
     assert {"gpu", "torch", "triton", "date", "copy_GBs", "rows"} <= set(result)
     impls = {(r["impl"], r["pass"]) for r in result["rows"]}

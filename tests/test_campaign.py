@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tolerances import TOL
 
 from torch_rmsnorm_op.tools import campaign
 
@@ -68,3 +69,10 @@ def test_mutation_n_vs_block(tmp_path, device, n, caught):
         results = campaign.run_case(campaign.Case(dtype, 17, n, True, False), device, kernels=mutant)
         y = next(r for r in results if r.quantity == "y")
         assert y.passed is not caught, (dtype, n, y)
+
+
+def test_campaign_tolerances_are_no_looser_than_the_tests():
+    """The tests declare their own table (``tests/tolerances.py``); a case the campaign passes
+    is within it, so ``python -m torch_rmsnorm_op check`` passing says what the tests accept."""
+    for dtype, (atol, rtol) in campaign.TOLERANCES.items():
+        assert atol <= TOL[dtype]["atol"] and rtol <= TOL[dtype]["rtol"], dtype

@@ -1,13 +1,15 @@
 """The command line, run as a user would."""
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from torch_rmsnorm_op.cli import main
+from torch_rmsnorm_op.cli import build_parser, main
 from torch_rmsnorm_op.tools import campaign
 
 
@@ -22,10 +24,42 @@ def _table(stdout: str) -> list[list[str]]:
     return rows
 
 
-def test_help_lists_commands():
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_help_lists_commands_in_plain_text():
     out = _run("--help")
     assert out.returncode == 0
     assert all(command in out.stdout for command in ("check", "demo", "bench", "bench-models", "train-integration"))
+    # what a terminal shows: no reStructuredText or Markdown markup
+    assert not re.search(r"``|`|:(func|class|mod|meth):", out.stdout), out.stdout
+
+
+def test_train_integration_help_shows_what_steps_is_and_its_default():
+    out = _run("train-integration", "--help")
+    assert out.returncode == 0, out.stderr
+    steps = out.stdout[out.stdout.index("--steps STEPS"):]
+    assert "Adam steps" in steps and "(default: 100)" in " ".join(steps.split()), out.stdout
+
+
+@pytest.mark.parametrize("argv", [["train-integration", "--steps", "0"], ["bench", "--iters", "-1"],
+                                  ["bench", "--repeats", "two"]])
+def test_counts_must_be_positive(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    assert f"{argv[1]} must be a positive integer" in capsys.readouterr().err
+
+
+def test_bench_writes_outside_the_committed_results_by_default():
+    """``bench`` and ``bench --smoke`` default to a folder git ignores, not ``profiling/results/``."""
+    for argv in (["bench"], ["bench", "--smoke"]):
+        out = build_parser().parse_args(argv).out
+        assert not os.path.isabs(out) and not out.startswith("profiling"), out
+    if shutil.which("git") is None or not os.path.exists(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout: no ignore rules to check the folder against")
+    ignored = subprocess.run(["git", "check-ignore", "-q", os.path.join(out, "x.json")], cwd=ROOT)
+    assert ignored.returncode == 0, f"{out} is not ignored by git"
 
 
 def test_check_prints_table_progress_and_passes():

@@ -8,6 +8,7 @@ import importlib
 import inspect
 import os
 import re
+import sys
 
 import pytest
 import torch
@@ -376,6 +377,31 @@ def _survey_cases():
 _SIZE_ARGS = {"hidden_size", "dim", "d_model", "normalized_shape", "num_features", "hidden_dim", "embed_dim",
               "size", "n_embd", "features", "d", "channels", "num_channels", "width"}
 _EPS_ARGS = {"eps", "epsilon", "variance_epsilon", "layer_norm_eps", "norm_eps", "rms_norm_eps"}
+_GROUP_ARGS = {"group_size"}  # a grouped norm (Bamba's, Mamba2's gated one): two groups of the 16 columns
+# A config for a norm built only from one: its sizes the ones above, what else it reads small.
+_CONFIG_ARGS = dict(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                    rms_norm_eps=1e-6)
+
+
+def _config_for(cls, parameter):
+    """A config for ``cls(config)``: of the class ``parameter`` is annotated with, else of the config
+    classes of ``cls``'s module (a text model's first: the norm is a decoder's), the first that
+    builds with ``_CONFIG_ARGS`` and builds ``cls``."""
+    if isinstance(parameter.annotation, type) and issubclass(parameter.annotation, transformers.PretrainedConfig):
+        candidates = [parameter.annotation]
+    else:
+        module = vars(sys.modules[cls.__module__]).values()
+        candidates = sorted((c for c in module if isinstance(c, type) and issubclass(c, transformers.PretrainedConfig)),
+                            key=lambda c: ("Text" not in c.__name__, c.__name__))
+    errors = []
+    for config_cls in candidates:
+        try:
+            config = config_cls(**_CONFIG_ARGS)
+            cls(config)
+            return config
+        except Exception as e:  # the next candidate may build; if none does, every error is reported
+            errors.append(f"{config_cls.__name__}: {e!r}"[:300])
+    pytest.fail(f"{cls.__name__} builds from none of its module's configs: {errors}")
 
 
 def _instantiate(cls):
@@ -387,23 +413,37 @@ def _instantiate(cls):
             kwargs[p.name] = 16
         elif p.name in _EPS_ARGS:
             kwargs[p.name] = 1e-6
+        elif p.name in _GROUP_ARGS:
+            kwargs[p.name] = 8
+        elif p.name == "config":
+            kwargs[p.name] = _config_for(cls, p)
         elif p.default is inspect.Parameter.empty:
-            pytest.skip(f"{cls.__name__}.__init__ needs {p.name!r}: built only from a config")
+            pytest.fail(f"{cls.__name__}.__init__ needs {p.name!r}: give the survey a value for it")
     return cls(**kwargs)
 
 
 @pytest.mark.parametrize("module_name, class_name, copies", _survey_cases())
 def test_survey_every_transformers_rmsnorm(device, module_name, class_name, copies):
-    """Built from its own __init__, patched alone: swapped with semantics that compute what
-    it computes for weights and inputs of fp32 and bf16, or reported with the reason and
-    left in place; nothing else."""
+    """Built from its own __init__ (or a config of its model's), patched alone: swapped with
+    semantics that compute what it computes for weights and inputs of fp32 and bf16, or reported
+    with the reason and left in place (a norm inside it swapped like any other, and the module
+    computing what it did); nothing else."""
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:  # an optional dependency of that model (torchaudio, ...)
         pytest.skip(f"{module_name} does not import here: {e}")
     original = _instantiate(cls).to(device)
+    before = copy.deepcopy(original)
     container = nn.ModuleList([original])
     report = T.patch_rmsnorm(container)
+    reported = [row for row in report.skipped if row[0] == "0"]
+    if reported:
+        assert reported[0].reason and container[0] is original, report
+        assert all(name.startswith("0.") for name, *_ in report.swapped), report
+        if report.swapped:  # the module's own norms, swapped: it computes what it did
+            x = torch.randn(4, 5, 16, generator=torch.Generator().manual_seed(3)).to(device)
+            torch.testing.assert_close(original(x), before(x), **few_roundings(torch.float32))
+        return
     assert len(report.swapped) + len(report.skipped) == 1, f"{class_name} neither swapped nor reported"
     if report.skipped:
         assert report.skipped[0].reason and container[0] is original

@@ -1,22 +1,26 @@
-"""The tests' one tolerance table, declared before any comparison: ``TOL[dtype]`` gives
+"""The tests' one tolerance table, declared here before any comparison: ``TOL[dtype]`` gives
 ``assert_close``'s ``atol``/``rtol`` for a result in that dtype computed from the same inputs as
-its reference. fp32/fp16/bf16 are the correctness campaign's (``tools/campaign.py``: fp32
-tight, fp16 about 6 ulps of its 2^-11 unit roundoff, bf16 twice its 2^-7 machine epsilon);
-fp64 and complex64 are for the reference paths. ``GRAD_FACTOR`` widens them for gradients,
-which go through one more reduction and rounding than the forward; ``MODEL`` is for whole
-models (several layers of bf16 or fp32 arithmetic before the compared output).
+its reference. ``GRAD_FACTOR`` widens them for gradients, which go through one more reduction
+and rounding than the forward; ``MODEL`` is for whole models (several layers of bf16 or fp32
+arithmetic before the compared output).
 
 The named entries below are for comparisons the table does not cover, each with its reason.
-Bit-for-bit comparisons use ``torch.equal``."""
+Bit-for-bit comparisons use ``torch.equal``. The table is the tests' own: a tool's thresholds
+(``python -m torch_rmsnorm_op check``) may change without loosening what the tests accept."""
 
 import math
 
 import torch
 
-from torch_rmsnorm_op.tools.campaign import TOLERANCES
-
 TOL: dict[torch.dtype, dict[str, float]] = {
-    **{dtype: dict(atol=atol, rtol=rtol) for dtype, (atol, rtol) in TOLERANCES.items()},
+    # fp32: a row's sum of squares reduced in another order than the reference's, a few dozen
+    # units of its 2^-23 roundoff, and 1e-5 absolute for values near zero.
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    # fp16: about 6 units of its 2^-11 unit roundoff, the output's own rounding among them.
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    # bf16: twice its machine epsilon 2^-7, the output's own rounding being up to half of that.
+    torch.bfloat16: dict(atol=2 * 2.0**-7, rtol=2 * 2.0**-7),
+    # the reference paths: float64 arithmetic throughout, and complex64's fp32 parts.
     torch.float64: dict(atol=1e-12, rtol=1e-10),
     torch.complex64: dict(atol=1e-5, rtol=1e-4),
 }
@@ -35,7 +39,7 @@ MODEL: dict[torch.dtype, dict[str, float]] = {
 
 def dweight_tol(dtype: torch.dtype, m: int) -> dict[str, float]:
     """dweight sums M rows: its absolute error grows like sqrt(M), so ``TOL[dtype]``'s atol is
-    scaled by it, as the campaign does."""
+    scaled by it."""
     return dict(atol=TOL[dtype]["atol"] * math.sqrt(m), rtol=TOL[dtype]["rtol"])
 
 

@@ -84,12 +84,17 @@ def _check(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from torch_rmsnorm_op.tools.demo import run_demo
 
-    text = run_demo(args.logdir)
+    text = run_demo(args.logdir, rounds=args.rounds)
     print(text)
     print(f"Traces: {args.logdir}/stock and {args.logdir}/patched (*.pt.trace.json; open them in Perfetto too).")
     print(f"View:   tensorboard --logdir {args.logdir}   (PyTorch Profiler tab: runs 'stock' and 'patched')")
     return 0
 
+
+DESCRIPTION = ("Triton RMSNorm kernels as PyTorch custom ops (torch.ops.rmsnorm): check them against float64, "
+               "profile a model compiled with and without them, benchmark them. Without a CUDA GPU the kernels run "
+               "through the Triton interpreter (slow; times are not GPU timings).")
+BENCH_OUT = os.path.join("runs", "bench")
 
 NO_GPU = ("{command}: no CUDA GPU here, and it measures GPU time. `python -m torch_rmsnorm_op {command} --smoke` "
           "runs the machinery at a tiny size on CPU (its times are not GPU timings).")
@@ -131,6 +136,21 @@ def _list_of(name: str, allowed: tuple | None = None, convert=str):
             raise argparse.ArgumentTypeError(f"{name} must be a comma-separated list of {', '.join(map(str, allowed))}"
                                              f"; got {text!r}")
         return values
+
+    return parse
+
+
+def _positive(name: str):
+    """An argparse type: an integer of at least 1, else an error naming ``name``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer; got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be a positive integer; got {value}")
+        return value
 
     return parse
 
@@ -216,12 +236,11 @@ def _bench_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    # The kernels run on CPU tensors only through the Triton interpreter, which must be
-    # chosen before triton is imported and any kernel defined: without CUDA, choose it.
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    parser = argparse.ArgumentParser(prog="python -m torch_rmsnorm_op", description=__doc__)
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: each subcommand's arguments, its function in ``func``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m torch_rmsnorm_op", description=DESCRIPTION,
+        epilog="python -m torch_rmsnorm_op COMMAND --help describes a command's options.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
     check = sub.add_parser(
         "check",
@@ -241,23 +260,32 @@ def main(argv: list[str] | None = None) -> int:
         help="compile a model twice (Inductor's RMSNorm vs ours), check they agree, profile both, summarize",
     )
     demo.add_argument("--logdir", default="runs", help="where the runs and the summary go (default: runs)")
+    demo.add_argument("--rounds", type=_positive("--rounds"), default=None,
+                      help="rounds of profiling, stock and patched in alternating order; ratios are reported by "
+                           "their median and range over the rounds (default: 5 on a GPU, 2 on CPU)")
     demo.set_defaults(func=_demo)
     bench = sub.add_parser(
         "bench", help="time ours vs Inductor vs eager over a shape sweep, with the copy ceiling (GPU; --smoke on CPU)"
     )
-    bench.add_argument("--out", default="profiling/results/benchmark",
-                       help="output folder (default: profiling/results/benchmark)")
-    bench.add_argument("--iters", type=int, default=20, help="iterations per timed window")
-    bench.add_argument("--repeats", type=int, default=5, help="timed windows; the median is reported")
+    bench.add_argument("--out", default=BENCH_OUT,
+                       help=f"output folder (default: {BENCH_OUT}, which git ignores; results meant to be kept go "
+                            "under profiling/results/)")
+    bench.add_argument("--iters", type=_positive("--iters"), default=20,
+                       help="iterations per timed window (default: 20)")
+    bench.add_argument("--repeats", type=_positive("--repeats"), default=5,
+                       help="timed windows; the median is reported (default: 5)")
     bench.add_argument("--quick", action="store_true", help="fewer shapes")
     bench.add_argument("--smoke", action="store_true", help="tiny shapes, runs on CPU too (timings not GPU timings)")
     bench.set_defaults(func=_bench)
     integ = sub.add_parser(
         "train-integration",
-        help="the tutorial's integration run: Linear-RMSNorm-SiLU-Linear, reference vs kernel path, 100 Adam steps",
+        help="the tutorial's integration run: Linear-RMSNorm-SiLU-Linear, reference vs kernel path, Adam steps "
+             "(100 by default), saved and reloaded",
     )
-    integ.add_argument("--steps", type=int, default=100)
-    integ.add_argument("--out", default="outputs/integration", help="where the weights are saved and reloaded")
+    integ.add_argument("--steps", type=_positive("--steps"), default=100,
+                       help="Adam steps of each path, reference and kernel (default: 100)")
+    integ.add_argument("--out", default="outputs/integration",
+                       help="where the weights are saved and reloaded (default: outputs/integration)")
     integ.set_defaults(func=_train_integration)
     models = sub.add_parser(
         "bench-models",
@@ -338,6 +366,16 @@ def main(argv: list[str] | None = None) -> int:
                              "stock,patched --and --modes eager --impls stock,patched,liger --and --models A "
                              "--float8 rowwise)")
     models.set_defaults(func=_bench_models, parser=models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command ``argv`` names (default: ``sys.argv[1:]``); returns the exit status."""
+    # The kernels run on CPU tensors only through the Triton interpreter, which must be
+    # chosen before triton is imported and any kernel defined: without CUDA, choose it.
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -21,8 +21,10 @@ What each number is:
   back-to-back calls (CPU-bound at this size).
 
 Inputs are random, never zeros. Shapes that fit in L2 rotate among several
-input sets. Run: ``python -m torch_rmsnorm_op bench --out profiling/results``
-(or ``python profiling/bench.py``). Output: ``<date>-<gpu>.json`` with
+input sets. Run: ``python -m torch_rmsnorm_op bench`` (or ``python
+profiling/bench.py``), which writes into ``runs/bench/`` (ignored by git; ``--out
+DIR`` elsewhere, such as a new folder under ``profiling/results/`` for results to
+keep). Output: ``<date>-<gpu>.json`` with
 ``{"gpu", "torch", "triton", "date", "copy_GBs", "rows": [...]}``, a Markdown
 table and a PNG chart beside it.
 """
