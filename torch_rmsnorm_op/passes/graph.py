@@ -259,8 +259,10 @@ def is_external(node: Node) -> bool:
         return False
     if node.target in _MATMULS or is_our_op(node) or _aten(node) in _ATEN_MATMULS:
         return True
+    # another library's op; not a higher-order op (an autograd function's body: torchao's float8
+    # linears scale and cast their input there, which Inductor fuses into the norm's kernel)
     namespace = _namespace(node.target)
-    return namespace is not None and namespace not in ("aten", "prims")
+    return namespace is not None and namespace not in ("aten", "prims", "higher_order")
 
 
 def is_plain_add(node: object) -> bool:
