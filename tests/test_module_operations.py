@@ -194,6 +194,11 @@ def _set(**values):
     return change
 
 
+def _broadcast_weights(norms):
+    for name in ("llama", "gemma", "grouped", "gated"):
+        norms[name].weight = nn.Parameter(torch.full((1,), 1.5, device=norms[name].weight.device))
+
+
 def _weight_as_tensor(norms):
     for name in ("llama", "torch"):
         weight = norms[name].weight
@@ -229,6 +234,7 @@ NORM_OPERATIONS = {
     "an attribute the forward does not read added": _set(llama={"hidden_size": D}),
     "nn.RMSNorm's weight set to None": _set(torch={"weight": None}),
     "weights deleted and set as tensors": _weight_as_tensor,
+    "weights of one element, which the forwards broadcast": _broadcast_weights,
     "a forward replaced on the instance": _forward_on_instance,
 }
 

@@ -39,6 +39,7 @@ from torch import Tensor, fx, nn
 from torch.nn.utils import parametrize
 
 from torch_rmsnorm_op import fusion, static_launch
+from torch_rmsnorm_op.contract import RMSNormInputError
 from torch_rmsnorm_op.functional import rms_norm
 from torch_rmsnorm_op.module import RMSNorm
 from torch_rmsnorm_op.recognize import (
@@ -93,7 +94,8 @@ class StandIn:
 
     def arguments(self, module: nn.Module, x: Tensor) -> tuple | None:
         """``(normalized_shape, weight, eps)`` as ``module``'s state gives them now, for
-        ``semantics.rms_norm``; None where that state is not what the probe proved."""
+        ``semantics.rms_norm``; None where that state is not what the probe proved. (A weight
+        that does not match x's last dim is the call's to refuse: ``RMSNormInputError``.)"""
         if self.torch_norm:
             return module.normalized_shape, module.weight, module.eps
         for name, value, plain in self.watched:
@@ -110,9 +112,7 @@ class StandIn:
             return None
         weight = getattr(module, "weight", None)
         if self.weighted:
-            if isinstance(weight, Tensor) and (shape := weight.shape) == x.shape[-1:]:
-                return shape, weight, eps
-            return None
+            return (weight.shape, weight, eps) if isinstance(weight, Tensor) else None
         return (x.shape[-1:], None, eps) if weight is None else None
 
 
@@ -174,9 +174,12 @@ class PatchedRMSNorm(nn.Module):
         if stand_in.torch_norm:  # nn.RMSNorm's forward: F.rms_norm's contract, which rms_norm's is
             return rms_norm(x, self.normalized_shape, self.weight, self.eps)
         arguments = stand_in.arguments(self, x)
-        if arguments is None:
-            return self._original.forward(x)
-        return stand_in.semantics.rms_norm(x, *arguments)
+        if arguments is not None:
+            try:
+                return stand_in.semantics.rms_norm(x, *arguments)
+            except RMSNormInputError:  # refused before anything ran (a weight of another size): the original decides
+                pass
+        return self._original.forward(x)
 
     def _traced(self, *args: fx.Proxy | None) -> fx.Proxy:
         """Under ``torch.fx.symbolic_trace``: one ``call_module`` node that calls this module
@@ -238,10 +241,12 @@ class PatchedGatedRMSNorm(PatchedRMSNorm):
             raise TypeError(f"gate is required: {type(self._original).__name__}.forward, which this module "
                             f"replaces, does not run without one")
         arguments = self._stand_in.arguments(self, hidden_states)
-        if arguments is None:
-            return self._original.forward(hidden_states, gate)
-        _, weight, eps = arguments
-        return semantics.rms_norm(hidden_states, gate, weight, eps)
+        if arguments is not None:
+            try:
+                return semantics.rms_norm(hidden_states, gate, *arguments[1:])
+            except RMSNormInputError:  # refused before anything ran: the original decides
+                pass
+        return self._original.forward(hidden_states, gate)
 
 
 class Swapped(NamedTuple):
