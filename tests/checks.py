@@ -18,10 +18,11 @@ def assert_computes_like(original, patched, x, gate=None) -> None:
     want, got = original(*inputs), patched(*inputs)
     assert got.dtype == want.dtype and got.shape == want.shape
     torch.testing.assert_close(got, want, **few_roundings(want.dtype))
+    shape, weight, eps = patched.stand_in.arguments(patched, x)  # what the patched module's call took
     if isinstance(patched, PatchedGatedRMSNorm):
-        ref = patched.semantics.reference(x, gate, patched.weight, patched.eps)
+        ref = patched.semantics.reference(x, gate, weight, eps)
     else:
-        ref = patched.semantics.reference(x, patched.normalized_shape or (x.shape[-1],), patched.weight, patched.eps)
+        ref = patched.semantics.reference(x, shape, weight, eps)
     assert ref.dtype == want.dtype
     if want.dtype == torch.float32:
         torch.testing.assert_close(ref, want, **SAME_OPS_FP32)

@@ -4,7 +4,10 @@ PyTorch's own OpInfo samples and error inputs, dtypes, gradients, and the module
 import contextlib
 import math
 import sys
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -353,8 +356,13 @@ class _PassThroughMode(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _PassThroughFunctionMode(torch.overrides.TorchFunctionMode):
+class _RecordingFunctionMode(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
         return func(*args, **(kwargs or {}))
 
 
@@ -368,7 +376,6 @@ DISPATCHING = {
     "grad needed": lambda x, w: _needing_grad(x),
     "weight grad needed": lambda x, w: _needing_grad(w),
     "dispatch mode": lambda x, w: _PassThroughMode(),
-    "function mode": lambda x, w: _PassThroughFunctionMode(),
     "autocast": lambda x, w: torch.autocast(x.device.type, dtype=torch.bfloat16),
 }
 
@@ -391,6 +398,22 @@ def test_eager_calls_skip_the_dispatcher_only_when_it_has_nothing_to_do(device, 
     assert calls[2:] == [True], case
     if y.dtype == want.dtype:
         assert torch.equal(y.detach(), want)
+
+
+def test_torch_function_modes_see_the_call_as_they_see_f_rms_norm(device, monkeypatch):
+    """A torch function mode sees ``rms_norm`` and ``add_rms_norm`` themselves, as it sees
+    ``F.rms_norm`` (``__torch_function__``), with the arguments given (the keywords left at
+    their defaults left out); the call it runs has nothing left for the dispatcher to do."""
+    x, r, w = torch.randn(6, 40, device=device), torch.randn(6, 40, device=device), torch.randn(40, device=device)
+    want = torch.ops.rmsnorm.fwd(x, w, 1e-6, weight_offset=1.0)[0]
+    calls = _dispatched(monkeypatch)
+    with _RecordingFunctionMode() as mode:
+        y = T.rms_norm(x, (40,), w, 1e-6, weight_offset=1.0)
+        y2, h = T.add_rms_norm(x, r, (40,), w)
+        F.rms_norm(x, (40,), w)
+    assert torch.equal(y, want) and torch.equal(h, x + r)
+    assert mode.seen[:2] == [T.rms_norm, T.add_rms_norm] and F.rms_norm in mode.seen
+    assert calls == [False, False]
 
 
 def _op_forward(x, normalized_shape, w, eps=None, **keywords):
@@ -511,3 +534,182 @@ def test_jit_trace_records_the_op(device):
     assert "rmsnorm::fwd" in str(traced.graph)
     x2 = torch.randn(4, 8, device=device)
     torch.testing.assert_close(traced(x2), F.rms_norm(x2, (8,), w), **TOL[torch.float32])
+
+
+class _Index:
+    """An int by ``__index__``, as torch's argument parser takes it."""
+
+    def __index__(self):
+        return 8
+
+
+class _BadIndex:
+    def __index__(self):
+        raise ValueError("not an index")
+
+
+# Arguments torch's rms_norm accepts (first) or refuses (after None), with x of shape [3, 2, 8].
+EPS_VALUES = [None, 1e-5, 1, True, 2**70, np.float32(1e-5), np.float64(1e-5), np.float16(1e-3), np.int64(1),
+              np.bool_(True), np.complex128(1e-5 + 1j), torch.tensor(1e-5), torch.tensor(3), torch.tensor(True),
+              torch.tensor(1e-5, dtype=torch.float64), torch.tensor(1e-5 + 0j),
+              torch.tensor([1e-5]), torch.tensor(1e-5, requires_grad=True), torch.tensor(1e-5 + 1j),
+              np.array(1e-5), np.array([1e-5]), "1e-5", [1e-5], Fraction(1, 2), Decimal("0.5"), 1j, object()]
+SHAPE_VALUES = [(8,), [8], torch.Size([8]), (2, 8), [2, np.int32(8)], (np.int64(8),), (np.uint8(8),),
+                (torch.tensor(8),), (torch.tensor([8]),), (torch.tensor([[8]], dtype=torch.int32),), (_Index(),),
+                8, np.int64(8), torch.tensor([8]), np.array([8]), range(8, 9), "8", None, (), (-8,), (0,), (4,),
+                (3, 2, 8, 1), (8.0,), (True,), (np.float64(8),), (np.bool_(True),), (torch.tensor(8.0),),
+                (torch.tensor(True),), ("8",), (None,), ([8],), (_BadIndex(),), (2**64,), (2, 8.0), (Fraction(8),)]
+WEIGHT_VALUES = [torch.ones(8), torch.ones(8, dtype=torch.float64), torch.ones(8, dtype=torch.int32), torch.ones(7),
+                 torch.ones(1), np.ones(8, dtype=np.float32), [1.0] * 8, 1.0]
+INPUT_VALUES = [np.ones((3, 8), dtype=np.float32), [[1.0] * 8], 3.0, torch.tensor(1.0), torch.ones(3, 8, dtype=torch.int64)]
+# Values that compare and hash equal, accepted or refused apart: a kept call signature must not
+# serve the second after the first.
+EQUAL_PAIRS = [("normalized_shape", (8,), (8.0,)), ("normalized_shape", (8,), (np.float64(8),)),
+               ("normalized_shape", (8,), (Fraction(8),)), ("normalized_shape", (1,), (True,)),
+               ("normalized_shape", (8,), (np.int64(8),)), ("eps", 0.5, Fraction(1, 2)), ("eps", 0.5, Decimal("0.5")),
+               ("eps", 1, True), ("eps", 0.5, np.float64(0.5)), ("eps", 1.0, np.int64(1))]
+
+
+def _outcome(call):
+    """``("value", y)`` or ``("raises", the exception)``."""
+    try:
+        return "value", call()
+    except Exception as e:  # the outcome compared
+        return "raises", e
+
+
+def _assert_same_outcome(ours, torchs, what):
+    """``ours`` (called twice: a first call and a later one, which a kept signature may serve)
+    returns what ``torchs`` returns, or raises an instance of the exception's class."""
+    kind, want = _outcome(torchs)
+    for attempt in ("first", "second"):
+        got_kind, got = _outcome(ours)
+        assert got_kind == kind, f"{what}, {attempt} call: ours {got_kind} {got!r}, torch's {kind} {want!r}"
+        if kind == "raises":
+            assert isinstance(got, type(want)), f"{what}, {attempt} call: {type(got)} for torch's {type(want)}"
+        else:
+            torch.testing.assert_close(got, want, **TOL[want.dtype], msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.filterwarnings("ignore::numpy.exceptions.ComplexWarning")
+def test_arguments_are_accepted_and_refused_as_by_torch(device):
+    """``rms_norm``, ``add_rms_norm`` and ``RMSNorm`` accept every argument that ``F.rms_norm``
+    and ``nn.RMSNorm`` accept (numpy scalars, 0-dim tensors, ``__index__`` objects, one-element
+    integer tensors in ``normalized_shape``) with the same result, and refuse what they refuse
+    with the same exception class, on a first call and a later one."""
+    T.set_fallback_policy("reference")  # a float64 or integer weight
+    x = torch.randn(3, 2, 8, device=device)
+    r = torch.randn(3, 2, 8, device=device)
+    w = torch.rand(8, device=device) + 0.5
+    for eps in EPS_VALUES:
+        _assert_same_outcome(lambda eps=eps: T.rms_norm(x, (8,), w, eps), lambda eps=eps: F.rms_norm(x, (8,), w, eps),
+                             f"eps={eps!r}")
+        _assert_same_outcome(lambda eps=eps: T.add_rms_norm(x, r, (8,), None, eps)[0],
+                             lambda eps=eps: F.rms_norm(x + r, (8,), None, eps), f"add_rms_norm, eps={eps!r}")
+        _assert_same_outcome(lambda eps=eps: T.RMSNorm(8, eps=eps, device=device)(x),
+                             lambda eps=eps: nn.RMSNorm(8, eps=eps, device=device)(x), f"RMSNorm, eps={eps!r}")
+    for shape in SHAPE_VALUES:
+        _assert_same_outcome(lambda shape=shape: T.rms_norm(x, shape), lambda shape=shape: F.rms_norm(x, shape),
+                             f"normalized_shape={shape!r}")
+        _assert_same_outcome(lambda shape=shape: T.add_rms_norm(x, r, shape)[0],
+                             lambda shape=shape: F.rms_norm(x + r, shape), f"add_rms_norm, normalized_shape={shape!r}")
+        _assert_same_outcome(lambda shape=shape: T.RMSNorm(shape, device=device)(x),
+                             lambda shape=shape: nn.RMSNorm(shape, device=device)(x), f"RMSNorm, {shape!r}")
+    for weight in WEIGHT_VALUES:
+        weight = weight.to(device) if isinstance(weight, torch.Tensor) else weight
+        _assert_same_outcome(lambda weight=weight: T.rms_norm(x, (8,), weight),
+                             lambda weight=weight: F.rms_norm(x, (8,), weight),
+                             f"weight={type(weight).__name__} {getattr(weight, 'dtype', '')}")
+    for input in INPUT_VALUES:
+        input = input.to(device) if isinstance(input, torch.Tensor) else input
+        _assert_same_outcome(lambda input=input: T.rms_norm(input, (8,)), lambda input=input: F.rms_norm(input, (8,)),
+                             f"input={type(input).__name__}")
+    with pytest.raises(TypeError, match="residual"):
+        T.add_rms_norm(x, [1.0], (8,))
+
+
+@pytest.mark.parametrize("argument, first, second", EQUAL_PAIRS, ids=lambda v: repr(v))
+@pytest.mark.parametrize("order", ["first then second", "second then first"])
+def test_equal_values_of_other_types_are_told_apart(device, argument, first, second, order):
+    """Values that compare and hash equal but differ in type (40 and 40.0, 0.5 and
+    ``Fraction(1, 2)``) are separate call signatures: after a call with one, a call with the
+    other still gets what ``F.rms_norm`` gives it."""
+    n = first[0] if argument == "normalized_shape" else 8
+    x = torch.randn(3, n, device=device)
+
+    def call(fn, value):
+        return fn(x, value) if argument == "normalized_shape" else fn(x, (n,), None, value)
+
+    values = (first, second) if order == "first then second" else (second, first)
+    for value in values:
+        _assert_same_outcome(lambda value=value: call(T.rms_norm, value), lambda value=value: call(F.rms_norm, value),
+                             f"{argument}={value!r}")
+
+
+@pytest.mark.parametrize("offset", [1, 1.0, True, np.float32(1.0), torch.tensor(1.0)])
+def test_weight_offset_takes_what_eps_takes(device, offset):
+    """``weight_offset`` takes the numbers ``eps`` takes (Gemma's ``1 + weight``) and refuses
+    the rest with ``TypeError``, after a call with an equal float as before it."""
+    x, w = torch.randn(3, 8, device=device), torch.randn(8, device=device)
+    want = F.rms_norm(x, (8,), w + 1.0)
+    for value in (offset, 1.0, offset):
+        torch.testing.assert_close(T.rms_norm(x, (8,), w, weight_offset=value), want, **TOL[torch.float32])
+    for refused in (Fraction(1), Decimal(1), "1", torch.tensor([1.0])):
+        for _ in range(2):
+            with pytest.raises(TypeError, match="weight_offset"):
+                T.rms_norm(x, (8,), w, weight_offset=refused)
+
+
+class _Normalize(nn.Module):
+    """Code calling ``rms_norm`` and ``add_rms_norm``, keywords and unpacked results included."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(8) + 0.5)
+
+    def forward(self, x, residual):
+        y, h = T.add_rms_norm(x, residual, (8,), self.weight, 1e-5)
+        return T.rms_norm(h, (2, 8), None, weight_offset=1.0) + y
+
+
+def test_symbolic_trace_records_the_calls(device):
+    """``torch.fx.symbolic_trace`` of ``RMSNorm`` records its call of ``rms_norm`` (as it
+    records ``nn.RMSNorm``'s of ``F.rms_norm``), and of code calling ``rms_norm`` and
+    ``add_rms_norm`` each call, with the arguments given; the traced modules compute what the
+    eager ones do, bit for bit."""
+    norm = T.RMSNorm((2, 8), eps=1e-5, device=device)
+    traced = torch.fx.symbolic_trace(norm)
+    targets = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert targets == [T.rms_norm], traced.code
+    x, r = torch.randn(3, 2, 8, device=device), torch.randn(3, 2, 8, device=device)
+    assert torch.equal(traced(x), norm(x))
+    module = _Normalize().to(device)
+    traced = torch.fx.symbolic_trace(module)
+    calls = [(n.target, n.kwargs) for n in traced.graph.nodes if n.op == "call_function"
+             and n.target in (T.rms_norm, T.add_rms_norm)]
+    assert calls == [(T.add_rms_norm, {}), (T.rms_norm, {"weight_offset": 1.0})], traced.code
+    assert torch.equal(traced(x, r), module(x, r))
+
+
+def test_torchscript_compiles_rms_norm_module(device):
+    """``torch.jit.script`` of ``RMSNorm`` compiles a forward that calls ``torch.ops.rmsnorm.fwd``
+    on the normalized dims as one row: the same outputs and gradients as eager; an input of
+    another shape raises."""
+    norm = T.RMSNorm((2, 8), eps=1e-5, device=device)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    scripted = torch.jit.script(norm)
+    assert "rmsnorm::fwd" in str(scripted.inlined_graph)
+    x = torch.randn(3, 2, 8, device=device, requires_grad=True)
+    want = norm(x)
+    got = scripted(x)
+    assert torch.equal(got, want)
+    dy = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (x, norm.weight), dy), torch.autograd.grad(want, (x, norm.weight), dy)):
+        assert torch.equal(a, b)
+    bare = T.RMSNorm(8, elementwise_affine=False).to(device)
+    x64 = torch.randn(3, 8, device=device, dtype=torch.float64)
+    with T.fallback_policy("reference"):
+        torch.testing.assert_close(torch.jit.script(bare)(x64), F.rms_norm(x64, (8,)), **TOL[torch.float64])
+    with pytest.raises(Exception, match="expected input with shape"):
+        scripted(torch.randn(3, 8, device=device))

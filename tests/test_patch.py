@@ -2,6 +2,7 @@
 the recognition rule and the probe on hand-written lookalikes."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -331,8 +332,37 @@ def test_semantics_by_probe_and_lookalikes_skipped_with_reasons(device):
     assert "computes none of torch, llama, gemma, t5, centered, input_scaled" in report.skipped[0].reason
     assert isinstance(model[1], LooksLikeLlamaButIsNot) and isinstance(model[3], nn.LayerNorm)
     assert isinstance(model[6], CustomLayerNorm)
-    assert "skipped 1 (LooksLikeLlamaButIsNot)" in str(report) and "swapped 0 (GemmaStyleRMSNorm) as gemma" in str(report)
+    text = str(report)
+    assert "left alone 1 (LooksLikeLlamaButIsNot)" in text and "swapped 0 (GemmaStyleRMSNorm)" in text
     assert report.semantics_counts() == {"gemma": 1, "llama": 1, "torch": 1, "t5": 1, "centered": 1, "input_scaled": 1}
+
+
+def test_the_report_says_what_its_words_mean():
+    """The report names each swapped module's semantics with what it computes (and the symbols
+    that says it in), and each difference that left a lookalike alone in the units it is
+    counted in."""
+    model = nn.Sequential(nn.RMSNorm(16), LlamaStyleRMSNorm(16), StreamsRMSNorm(16, group_size=4),
+                          NormThenGateRMSNorm(16), LooksLikeLlamaButIsNot(16))
+    report = T.patch_rmsnorm(model)
+    lines = str(report).splitlines()
+    assert lines[0] == "4 RMSNorm module(s) swapped for torch.ops.rmsnorm, 1 examined and left alone"
+    assert lines[1:5] == [
+        "  swapped 0 (RMSNorm), which computes 'torch': (n * w).to(x.dtype): normalize and scale in fp32, round once",
+        "  swapped 1 (LlamaStyleRMSNorm), which computes 'llama': w * n.to(x.dtype): round, then scale; output in "
+        "promote(w, x)",
+        "  swapped 2 (StreamsRMSNorm), which computes 'gemma, groups of 4': (n * (1 + w.float())).type_as(x): offset "
+        "weight in fp32, round once, per group of 4 features of the row",
+        "  swapped 3 (NormThenGateRMSNorm), which computes 'llama*silu(gate)': (w * n.to(x.dtype) * "
+        "silu(gate.float())).to(x.dtype)",
+    ]
+    assert lines[5].startswith("  left alone 4 (LooksLikeLlamaButIsNot): computes none of torch, llama, gemma, t5, "
+                               "centered, input_scaled (the RMSNorm variants rms_norm computes")
+    assert re.search(r"closest: torch: largest difference [\d.]+, [\d.e+]+ times the spacing of float32 values there "
+                     r"\(units in the last place\); 100% of the elements differ by more than rounding noise, with x "
+                     r"float32, weight float32\)$", lines[5]), lines[5]
+    assert lines[6] == ("  (x: the input; n = x * rsqrt(mean(x**2) + eps), computed in float32, float64 for float64 x; "
+                        "w: the module's weight)")
+    assert "units)" not in str(report) and " as " not in str(report)
 
 
 @pytest.mark.parametrize("module, reason", [
@@ -368,19 +398,40 @@ def test_structure_reasons_for_rmsnorm_named_modules():
             super().__init__(4)
             del self.variance_epsilon
 
-    hooked = LlamaStyleRMSNorm(4)
-    hooked.register_forward_hook(lambda *args: None)
     replaced = LlamaStyleRMSNorm(4)
     replaced.forward = lambda x: x
     cases = [(TwoDimRMSNorm(), "weight is not 1-D"), (BufferRMSNorm(), "has buffers (scale)"),
-             (NoEpsRMSNorm(), "no epsilon attribute"), (hooked, "has hooks (forward_hooks)"),
-             (replaced, "its forward is replaced on the instance")]
+             (NoEpsRMSNorm(), "no epsilon attribute"), (replaced, "its forward is replaced on the instance")]
     model = nn.ModuleList(m for m, _ in cases)
     report = T.patch_rmsnorm(model)
     assert report.swapped == []
     for (_, cls, why), (_, want) in zip(report.skipped, cases):
         assert why.startswith("named like an RMSNorm but not RMSNorm-like: ") and want in why, (cls, why)
     assert all(a is b for a, (b, _) in zip(model, cases))
+
+
+def test_a_norm_with_hooks_is_swapped_and_its_hooks_run_only_on_the_models_calls(device):
+    """The patched module shares the original's hooks, so a norm with hooks is swapped; the
+    probe runs the module's forward, never its hooks nor global ones. ``recognize`` alone (a
+    caller that would drop the hooks) still leaves it alone, with the reason."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    calls = []
+    norm = LlamaStyleRMSNorm(16).to(device)
+    norm.register_forward_hook(lambda module, args, out: calls.append("hook") or out * 2)
+    norm.register_forward_pre_hook(lambda module, args: calls.append("pre-hook"))
+    handle = register_module_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    try:
+        assert "has hooks (forward_pre_hooks, forward_hooks)" in recognize(norm).reason
+        model = nn.ModuleList([norm])
+        reference = copy.deepcopy(norm)
+        assert T.patch_rmsnorm(model).swapped == [("0", "LlamaStyleRMSNorm", "llama")]
+        assert calls == []
+        x = torch.randn(3, 16, device=device)
+        torch.testing.assert_close(model[0](x), reference(x), **NORM_FP32)
+        assert calls == ["pre-hook", "PatchedRMSNorm", "hook", "pre-hook", "LlamaStyleRMSNorm", "hook"]
+    finally:
+        handle.remove()
 
 
 def test_probe_is_shared_only_by_modules_alike(device):
@@ -446,7 +497,7 @@ def test_epsilon_is_the_one_the_forward_uses(device):
 def test_weightless_module_normalizes_any_last_dim(device):
     model = nn.Sequential(WeightlessRMSNorm())
     report = T.patch_rmsnorm(model)
-    assert report.swapped == [("0", "WeightlessRMSNorm", "torch")] and model[0].normalized_shape is None
+    assert report.swapped == [("0", "WeightlessRMSNorm", "torch")] and not model[0].stand_in.weighted
     for n in (24, 48):
         x = torch.randn(3, n, device=device)
         torch.testing.assert_close(model[0](x), WeightlessRMSNorm()(x), **NORM_FP32)

@@ -9,8 +9,10 @@ types torch uses, so ``except RuntimeError`` keeps working.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -24,8 +26,6 @@ class RMSNormInputError(ValueError, RuntimeError):
 class RMSNormDTypeError(RMSNormInputError, NotImplementedError):
     """An input has a dtype RMSNorm is not defined for (integer, bool, complex for the ops)."""
 
-
-_SHAPE_TYPES = (tuple, list, torch.Size)
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -52,26 +52,120 @@ def _check_real_float(name: str, t: Tensor, op: str) -> None:
         )
 
 
+_INT64 = range(-(2**63), 2**63)
+
+
+def _type_name(value: object) -> str:
+    return type(value).__name__
+
+
+def _shape_element(s: object, shape: tuple, op: str) -> int | torch.SymInt:
+    """One element of ``normalized_shape`` as torch's argument parser takes an int: an int
+    (not a bool), a SymInt, anything with ``__index__`` (numpy integers), or a one-element
+    integer tensor; within int64."""
+    if isinstance(s, torch.SymInt):
+        return s
+    if isinstance(s, Tensor):
+        if s.numel() == 1 and not (s.dtype.is_floating_point or s.dtype.is_complex):
+            if s.dtype == torch.bool:  # torch's parser takes it as a tensor, then refuses the bool value
+                raise RMSNormInputError(f"{op}(): argument 'normalized_shape' must hold integers, got {shape}")
+            return int(s.item())
+        value = None
+    elif isinstance(s, bool):
+        value = None
+    else:
+        try:
+            value = operator.index(s)
+        except Exception:  # whatever __index__ raises, torch's parser reports a TypeError
+            value = None
+    if value is None:
+        raise TypeError(f"{op}(): argument 'normalized_shape' must be tuple of ints, but found element of type "
+                        f"{_type_name(s)} in {shape}")
+    if value not in _INT64:
+        raise TypeError(f"{op}(): argument 'normalized_shape' must be tuple of ints within int64, got {shape}")
+    return value
+
+
+def normalized_shape_arg(normalized_shape: object, op: str = "rms_norm") -> tuple[int, ...]:
+    """``normalized_shape`` as ``F.rms_norm``'s argument parser takes it: a tuple or a list
+    (``torch.Size`` is a tuple), each element an int as ``_shape_element`` takes it; returned
+    as a tuple of ints (SymInts stay SymInts: ``int()`` would specialize a dynamic dim under
+    ``torch.compile``). Anything else raises ``TypeError`` (a one-element bool tensor the
+    ``RuntimeError`` torch raises)."""
+    if not isinstance(normalized_shape, (tuple, list)):
+        raise TypeError(f"{op}(): argument 'normalized_shape' must be tuple of ints, not "
+                        f"{_type_name(normalized_shape)}")
+    shape = tuple(normalized_shape)
+    compiling = torch.compiler.is_compiling()  # a traced dim is a SymInt that Dynamo sees as an int: no range
+    for s in shape:  # a loop, not all(...) over a generator: this runs on every general-path call
+        if type(s) is not int or (not compiling and s not in _INT64):
+            return tuple(_shape_element(s, shape, op) for s in shape)
+    return shape
+
+
+def float_arg(value: object, name: str, op: str = "rms_norm") -> float | int | torch.SymFloat | torch.SymInt:
+    """``value`` as torch's argument parser takes a ``float`` (``F.rms_norm``'s ``eps``): a
+    Python or numpy number (a bool, an int, a numpy complex's real part), a SymFloat or
+    SymInt, or a 0-dim tensor that does not require grad (its value; a complex one only with
+    no imaginary part, else the ``RuntimeError`` torch raises). An int or a float is returned
+    as it is (``torch.compile`` keeps an int a constant), any other as a float (Sym values as
+    they are); anything else raises ``TypeError`` naming the argument."""
+    if type(value) is float or type(value) is int:
+        return value
+    if isinstance(value, (int, float)):  # bool and int subclasses included, as by torch
+        return float(value)
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return value
+    if isinstance(value, np.generic) and isinstance(value, (np.number, np.bool_)):
+        return float(value.real) if isinstance(value, np.complexfloating) else float(value)
+    if isinstance(value, Tensor) and value.dim() == 0 and not value.requires_grad:
+        item = value.item()
+        if isinstance(item, complex):
+            if item.imag:
+                raise RMSNormInputError(f"{op}(): argument '{name}': value {item} cannot be converted to "
+                                        f"type double without overflow")
+            item = item.real
+        return float(item)
+    raise TypeError(f"{op}(): argument '{name}' must be float, not {_type_name(value)}"
+                    + (" (a tensor must be 0-dim and not require grad)" if isinstance(value, Tensor) else ""))
+
+
+_NO_RESIDUAL = object()
+
+
+def functional_args(input: object, normalized_shape: object, weight: object, eps: object,
+                    op: str = "rms_norm", residual: object = _NO_RESIDUAL
+                    ) -> tuple[tuple[int, ...], float | None]:
+    """The arguments of ``F.rms_norm(input, normalized_shape, weight, eps)`` as its argument
+    parser takes them, in its order, before any value is checked (so that a wrong type raises
+    its ``TypeError`` first, as in torch): ``input`` (and ``add_rms_norm``'s ``residual``) a
+    tensor, ``normalized_shape`` (``normalized_shape_arg``), ``weight`` a tensor or None,
+    ``eps`` None or ``float_arg``. Returns ``(normalized_shape, eps)`` converted."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{op}(): argument 'input' must be Tensor, not {_type_name(input)}")
+    if residual is not _NO_RESIDUAL and not isinstance(residual, Tensor):
+        raise TypeError(f"{op}(): argument 'residual' must be Tensor, not {_type_name(residual)}")
+    shape = normalized_shape_arg(normalized_shape, op)
+    if weight is not None and not isinstance(weight, Tensor):
+        raise TypeError(f"{op}(): argument 'weight' must be Tensor or None, not {_type_name(weight)}")
+    return shape, None if eps is None else float_arg(eps, "eps", op)
+
+
 def check_functional_args(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None
 ) -> tuple[int, ...]:
-    """Validate ``rms_norm(input, normalized_shape, weight)`` as ``F.rms_norm`` does.
+    """Validate ``rms_norm(input, normalized_shape, weight)`` as ``F.rms_norm`` does: the
+    arguments' types (``functional_args``), then ``check_functional_values``. Returns
+    ``normalized_shape`` as a tuple of ints."""
+    shape, _ = functional_args(input, normalized_shape, weight, None)
+    check_functional_values(input, shape, weight)
+    return shape
 
-    Returns ``normalized_shape`` as a tuple of ints.
-    """
-    # Checks ordered cheapest-first for valid calls: this runs on every eager call.
-    if type(normalized_shape) not in _SHAPE_TYPES and (
-        isinstance(normalized_shape, int) or not isinstance(normalized_shape, (Sequence, torch.Size))
-    ):
-        raise TypeError(
-            f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, not "
-            f"{type(normalized_shape).__name__}"
-        )
-    # No int() on the elements: it would specialize a dynamic dim under torch.compile.
-    shape = tuple(normalized_shape)
-    for s in shape:
-        if isinstance(s, (bool, float, complex, str)):
-            raise TypeError(f"rms_norm(): argument 'normalized_shape' must be a tuple of ints, got {shape}")
+
+def check_functional_values(input: Tensor, shape: tuple[int, ...], weight: Tensor | None) -> None:
+    """Validate the values of ``rms_norm(input, shape, weight)`` (``shape`` as
+    ``normalized_shape_arg`` returns it) as ``F.rms_norm`` does: layouts, dtype, shapes, devices."""
+    # Checks ordered cheapest-first for valid calls: this runs on every general-path call.
     if not shape:
         raise RMSNormInputError(
             "Expected normalized_shape to be at least 1-dimensional, i.e., containing at least one "
@@ -101,15 +195,6 @@ def check_functional_args(
             f"rms_norm: weight must be on the same device as input (weight: {weight.device}, "
             f"input: {input.device})"
         )
-    return shape
-
-
-def check_eps(eps: object) -> None:
-    """``eps`` must convert to a float as ``F.rms_norm``'s argument parser converts it (a number,
-    a bool, a one-element tensor); a string, a list or another object raises its TypeError."""
-    if isinstance(eps, (int, float)) or (isinstance(eps, Tensor) and eps.numel() == 1 and not eps.is_complex()):
-        return
-    raise TypeError(f"rms_norm(): argument 'eps' must be float, not {type(eps).__name__}")
 
 
 def _check_dtype_arg(op: str, name: str, dtype: torch.dtype | None) -> None:

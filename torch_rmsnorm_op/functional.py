@@ -18,13 +18,21 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function_variadic
 
 from torch_rmsnorm_op import _torch_compat, dispatch, ops, reference
-from torch_rmsnorm_op.contract import check_dtype_args, check_eps, check_functional_args, check_residual_arg
+from torch_rmsnorm_op.contract import (
+    check_dtype_args,
+    check_functional_values,
+    check_residual_arg,
+    float_arg,
+    functional_args,
+)
 from torch_rmsnorm_op.dispatch import Plan
 from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 
 _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
+_NOT_KEPT = (Tensor, torch.SymInt, torch.SymFloat)  # an eps or offset of these: each call checks it
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _forward_ad = torch.autograd.forward_ad
 
@@ -84,6 +92,10 @@ class _Signature(NamedTuple):
 # rms_norm's eager call signatures: x's sizes, strides, dtype and device; normalized_shape;
 # the weight's; eps and the keywords. A signature fixes what the contract checks and what the
 # plan depends on, so a call whose signature is kept runs no checks but the per-call state's.
+# The arguments' types are part of it: values that compare (and hash) equal may differ in what
+# the call does (40 and 40.0 in normalized_shape, 0.5 and Fraction(1, 2) as eps). Of
+# normalized_shape, the last element's type: only a one-dim normalized_shape keeps a plan, a
+# longer one's signature takes the general path, which checks every element.
 # None: the general path serves the signature (its checks raise, or no kernel serves it).
 _SIGNATURES: dict[tuple, _Signature | None] = {}
 MAX_SIGNATURES = 4096  # cleared when full, as dispatch's plans are
@@ -96,27 +108,30 @@ def _kept_signature(x: Tensor, normalized_shape: Sequence[int], weight: Tensor |
     """The kept signature of an eager ``rms_norm`` call the dispatcher has nothing to add to
     (``_nothing_to_dispatch``), made at its first call; None where the general path serves the
     call. Unhashable or unusual arguments (a tensor eps, a non-finite one) take the general
-    path, which checks them."""
-    if type(x) is not Tensor or x.is_nested or x.layout is not torch.strided or x.is_neg():
+    path, which checks them. A torch function mode or a tensor subclass sees the call through
+    the general path (``__torch_function__``), before anything reads x's attributes."""
+    if type(x) is not Tensor or not _torch_compat.dispatcher_has_nothing_to_do() or _forward_ad._current_level >= 0:
+        return None
+    if x.is_nested or x.layout is not torch.strided or x.is_neg():
         return None
     grad = torch.is_grad_enabled()
     if grad and x.requires_grad:
         return None
     if type(normalized_shape) is list:
         normalized_shape = tuple(normalized_shape)
-    if weight is None:
-        key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype)
-    elif (type(weight) in _PLAIN_WEIGHT_TYPES and weight.layout is torch.strided and not weight.is_neg()
-          and not (grad and weight.requires_grad)):
-        key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype,
-               weight.shape, weight.stride(), weight.dtype, weight.device)
-    else:
-        return None
-    if not _torch_compat.dispatcher_has_nothing_to_do() or _forward_ad._current_level >= 0:
-        return None
-    try:
+    try:  # the arguments' types join the key (module comment above _SIGNATURES)
+        if weight is None:
+            key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype,
+                   type(normalized_shape[-1]), type(eps), type(weight_offset))
+        elif (type(weight) in _PLAIN_WEIGHT_TYPES and weight.layout is torch.strided and not weight.is_neg()
+              and not (grad and weight.requires_grad)):
+            key = (x.shape, x.stride(), x.dtype, x.device, normalized_shape, eps, weight_offset, norm_dtype, out_dtype,
+                   type(normalized_shape[-1]), type(eps), type(weight_offset),
+                   weight.shape, weight.stride(), weight.dtype, weight.device)
+        else:
+            return None
         signature = _SIGNATURES.get(key, _MISSING)
-    except TypeError:  # an unhashable argument
+    except Exception:  # an argument that is no sequence or cannot be hashed: the general path checks it
         return None
     if signature is _MISSING:
         return _signature(key, x, normalized_shape, weight, eps, weight_offset, norm_dtype, out_dtype)
@@ -129,26 +144,28 @@ def _signature(key: tuple, x: Tensor, normalized_shape: Sequence[int], weight: T
     """What the calls of ``key``'s signature launch with, kept for its later calls; None where
     the general path serves them. Arguments the contract rejects raise its errors here, as
     the general path would, before anything is written."""
-    shape = check_functional_args(x, normalized_shape, weight)
+    shape, eps_value = functional_args(x, normalized_shape, weight, eps)
+    offset = 0.0 if weight_offset is None else float_arg(weight_offset, "weight_offset")
+    check_functional_values(x, shape, weight)
     plain = (
-        all(type(s) is int for s in shape)
-        and (eps is None or (type(eps) in (int, float) and math.isfinite(eps)))
-        and (weight_offset is None or (type(weight_offset) in (int, float) and math.isfinite(weight_offset)))
+        all(type(s) is int for s in normalized_shape)
+        and (eps is None or (not isinstance(eps, _NOT_KEPT) and math.isfinite(eps_value)))
+        and not isinstance(weight_offset, _NOT_KEPT) and math.isfinite(offset)
         and all(d is None or type(d) is torch.dtype for d in (norm_dtype, out_dtype))
     )
-    if not plain:  # not kept: such keys could hold any object
+    if not plain:  # not kept: each call checks such arguments
         return None
     check_dtype_args(norm_dtype, out_dtype)
     signature = None
     n = shape[0] if len(shape) == 1 else 0
     if n > 0 and x.numel() > 0 and not x.is_complex() and (weight is None or weight.is_contiguous()):
-        plan = dispatch.forward_plan(x, weight, norm_dtype=norm_dtype, weight_offset=weight_offset or 0.0,
+        plan = dispatch.forward_plan(x, weight, norm_dtype=norm_dtype, weight_offset=float(offset),
                                      store_rstd=False, out_dtype=out_dtype)
         if type(plan) is not str and not plan.copy_rows:
-            eps = reference.default_eps(x.dtype) if eps is None else eps
+            eps_value = reference.default_eps(x.dtype) if eps_value is None else eps_value
             y_dtype = out_dtype or x.dtype
             keeps_layout = y_dtype == x.dtype and x.stride() == _contiguous_strides(x.shape)
-            signature = _Signature(plan, float(eps), None if keeps_layout else y_dtype,
+            signature = _Signature(plan, float(eps_value), None if keeps_layout else y_dtype,
                                    ops.launch_module().forward_norm_only)
     if len(_SIGNATURES) >= MAX_SIGNATURES:
         _SIGNATURES.clear()
@@ -197,6 +214,20 @@ def _jagged_rms_norm(input: Tensor, normalized_shape: Sequence[int], weight: Ten
     return torch.nested.nested_tensor_from_jagged(values, input.offsets(), min_seqlen=min_seqlen, max_seqlen=max_seqlen)
 
 
+def _is_nested(t: object) -> bool:
+    """A nested tensor: ``rms_norm`` normalizes a jagged one's values itself (its
+    ``__torch_function__`` takes only ``F.rms_norm``'s arguments) and refuses the others. A
+    plain tensor is not asked (a torch function mode would see the question)."""
+    return type(t) is not Tensor and isinstance(t, Tensor) and t.is_nested
+
+
+def _keywords(weight_offset: float | None, norm_dtype: torch.dtype | None, out_dtype: torch.dtype | None) -> dict:
+    """The keyword-only arguments a call passed, for its ``__torch_function__`` handler (and the
+    node a ``torch.fx`` trace records): those left at their default are left out."""
+    given = {"weight_offset": weight_offset, "norm_dtype": norm_dtype, "out_dtype": out_dtype}
+    return {name: value for name, value in given.items() if value is not None}
+
+
 def rms_norm(
     input: Tensor, normalized_shape: Sequence[int], weight: Tensor | None = None, eps: float | None = None, *,
     weight_offset: float | None = None, norm_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
@@ -227,14 +258,17 @@ def rms_norm(
         else:
             signature.launch(signature.plan, input, weight, signature.eps, y)
         return y
-    shape = check_functional_args(input, normalized_shape, weight)
+    if has_torch_function_variadic(input, weight) and not _is_nested(input):
+        # Tensor subclasses, torch function modes and torch.fx's Proxy see the call, as F.rms_norm's
+        return handle_torch_function(rms_norm, (input, weight), input, normalized_shape, weight, eps,
+                                     **_keywords(weight_offset, norm_dtype, out_dtype))
+    shape, eps = functional_args(input, normalized_shape, weight, eps)
     # A float default (or a float attribute) would reach torch.compile as a graph input of its
     # own; None, and an int, stay constants.
-    weight_offset = 0.0 if weight_offset is None else weight_offset
+    weight_offset = 0.0 if weight_offset is None else float_arg(weight_offset, "weight_offset")
+    check_functional_values(input, shape, weight)
     if eps is None:
         eps = reference.default_eps(input.dtype)
-    else:
-        check_eps(eps)
     if input.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("rms_norm", f"complex dtype {input.dtype}")
         return reference.rms_norm_reference(input, shape, weight, eps, weight_offset, norm_dtype, out_dtype)
@@ -268,13 +302,15 @@ def add_rms_norm(
     dtype, no broadcasting: residual has input's shape); the norm's default ``eps`` and output
     dtype are the sum's. Gradients reach both inputs (the sum's own gradient included). Jagged
     nested tensors are added by torch, then normalized as ``rms_norm`` takes them."""
-    shape = check_functional_args(input, normalized_shape, weight)
-    weight_offset = 0.0 if weight_offset is None else weight_offset
+    if has_torch_function_variadic(input, weight, residual) and not (_is_nested(input) or _is_nested(residual)):
+        return handle_torch_function(add_rms_norm, (input, weight, residual), input, residual, normalized_shape,
+                                     weight, eps, **_keywords(weight_offset, norm_dtype, out_dtype))
+    shape, eps = functional_args(input, normalized_shape, weight, eps, "add_rms_norm", residual=residual)
+    weight_offset = 0.0 if weight_offset is None else float_arg(weight_offset, "weight_offset", "add_rms_norm")
+    check_functional_values(input, shape, weight)
     sum_dtype = torch.promote_types(input.dtype, residual.dtype)
     if eps is None:
         eps = reference.default_eps(sum_dtype)
-    else:
-        check_eps(eps)
     direct = False
     if input.is_complex() or residual.is_complex() or (weight is not None and weight.is_complex()):
         record_fallback("add_rms_norm", f"complex dtype {sum_dtype}")

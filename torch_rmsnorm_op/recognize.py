@@ -27,9 +27,10 @@ the name in any case, or a name ending in "Norm" (``T5LayerNorm``, ``Llama4TextL
 An examined module is *RMSNorm-like* when it has no submodules, no buffers, no
 parameter but ``weight`` (a 1-D Parameter; ``normalized_shape`` for ``nn.RMSNorm``) or
 none, a number in ``variance_epsilon``, ``eps`` or ``epsilon``, a ``forward`` that takes
-the input alone (or, with a weight, the input and a gate: below), and no hooks or
-forward of its own on the instance (a swap would drop them). The *probe* then decides
-what it computes: its own forward runs on a deepcopy holding a random weight (so
+the input alone (or, with a weight, the input and a gate: below), no forward of its own
+on the instance, and no forward or backward hooks unless the caller keeps them (the
+patcher does). The *probe* then decides what it computes: its own ``forward`` (never its
+hooks) runs on a deepcopy holding a random weight (so
 neither Llama's init of ones nor Gemma's of zeros hides a difference), in train and
 eval mode, on inputs of fp32 and bf16 (and the weight's own dtype) with weights of
 each of those dtypes, including a row whose mean square equals the epsilon; each
@@ -273,7 +274,7 @@ class GatedSemantics:
         h = x.to(ctype) * activation(gate.to(ctype)) if gate is not None and self.form.gate_first else x
         grouped = self.group_size is not None and self.group_size != h.shape[-1]
         w = None if grouped else weight
-        if self.form.norm is LLAMA:  # rounded to x's dtype, then scaled: output promote(w, x)
+        if self.form.norm.name == LLAMA.name:  # rounded to x's dtype, then scaled: output promote(w, x)
             norm_dtype = None if x_dtype == ctype or w is None else x_dtype
             out_dtype = x_dtype if w is None else torch.promote_types(w.dtype, x_dtype)
         else:  # scaled in fp32, rounded at the end
@@ -330,12 +331,14 @@ def _named_like_a_norm(module: nn.Module) -> tuple[bool, bool]:
     return examined, named_rms
 
 
-def _structure(module: nn.Module, torch_norm: bool, gated: bool = True
+def _structure(module: nn.Module, torch_norm: bool, gated: bool = True, keeps_hooks: bool = False
                ) -> tuple[tuple[int, ...] | None, list[float | None], str | None]:
     """``(normalized_shape, epsilon candidates, None)`` for an RMSNorm-like module, else
     ``(None, [], why not)``. ``normalized_shape`` is ``(32,)`` for a module without weight:
     such a module normalizes whatever last dim it gets. ``gated``: a forward taking the input
-    and a gate (``_gate_parameter``) is RMSNorm-like too, where the module has a weight."""
+    and a gate (``_gate_parameter``) is RMSNorm-like too, where the module has a weight.
+    ``keeps_hooks``: the caller keeps the module's hooks (else a module with forward or
+    backward hooks is not RMSNorm-like: a swap would drop them)."""
     children = [name for name, _ in module.named_children()]
     if children:
         return None, [], f"has submodules ({', '.join(children)})"
@@ -374,9 +377,10 @@ def _structure(module: nn.Module, torch_norm: bool, gated: bool = True
         names = ", ".join(p.name for p in params)
         return None, [], f"its forward takes ({names}), not the input alone"
     if "forward" in vars(module):
-        return None, [], "its forward is replaced on the instance (a hook of another library): a swap would drop it"
-    hooks = [name for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-             if getattr(module, name, None)]
+        return None, [], ("its forward is replaced on the instance (a hook of another library): that forward runs, "
+                          "not the class's that a probe could test")
+    hooks = [] if keeps_hooks else [name for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks",
+                                                       "_backward_hooks") if getattr(module, name, None)]
     if hooks:
         return None, [], f"has hooks ({', '.join(h.strip('_') for h in hooks)}): a swap would drop them"
     return shape, eps_values, None
@@ -449,7 +453,9 @@ def _disagreement(want: Tensor, got: Tensor, noise: float = _REFERENCE_NOISE,
     worst = (err / ulp).max().item()
     if worst <= 1.0 and apart <= apart_limit:
         return worst, None
-    return worst, f"max error {err.max().item():.3g} ({worst:.3g} units), {apart:.0%} of elements apart"
+    return worst, (f"largest difference {err.max().item():.3g}, {worst:.3g} times the spacing of {_name(want.dtype)} "
+                   f"values there (units in the last place); {apart:.0%} of the elements differ by more than "
+                   f"rounding noise")
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -463,9 +469,11 @@ def _clone_with_weight(module: nn.Module, weight: nn.Parameter | None, value: Te
 
 
 def _run(module: nn.Module, *inputs: Tensor | None) -> Tensor:
+    """The module's own forward on ``inputs``: not its ``__call__``, so that no hook of the
+    module's (copied with it) or global module hook sees the probe."""
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # e.g. F.rms_norm's "Mismatch dtype between input and weight"
-        return module(*inputs)
+        return module.forward(*inputs)
 
 
 _SIMPLE = (bool, int, float, str, type(None), torch.dtype)
@@ -496,19 +504,21 @@ def _probe_key(module: nn.Module, shape: tuple[int, ...], weight: Tensor | None)
 
 
 def recognize(module: nn.Module, *, by_name: bool = True, cache: dict | None = None,
-              gated: bool = True) -> Recognition | None:
+              gated: bool = True, keeps_hooks: bool = False) -> Recognition | None:
     """What ``module`` computes (module docstring): None when it is not examined (not named
     like a norm, or named like another norm and not RMSNorm-like); else a ``Recognition``
     with the semantics (a ``GatedSemantics`` for a gated norm), or with the reason it is left
     alone. ``by_name=False`` examines the module whatever its name (its class declares itself
     an RMSNorm some other way); ``gated=False`` leaves gated norms alone. ``cache`` (a dict
     the caller keeps, e.g. for one model) shares a probe's result among modules that only the
-    weight's values tell apart. ``module`` itself is not run and not changed."""
+    weight's values tell apart. ``keeps_hooks``: the caller keeps the module's hooks (the
+    patcher's replacement runs them), so hooks do not leave it alone; the probe never runs
+    them. ``module`` itself is not run and not changed."""
     torch_norm = isinstance(module, nn.RMSNorm)
     examined, named_rms = _named_like_a_norm(module) if by_name else (True, True)
     if not (torch_norm or examined):
         return None
-    shape, eps_values, why = _structure(module, torch_norm, gated)
+    shape, eps_values, why = _structure(module, torch_norm, gated, keeps_hooks)
     if why is not None:
         if not (torch_norm or named_rms):
             return None
@@ -547,7 +557,10 @@ def _run_probes(module: nn.Module, weight: nn.Parameter | None, w64: Tensor | No
     probes: list[_Probe] = []
     for w_dtype in (dtypes if weight is not None else (None,)):
         w = None if w64 is None else w64.to(w_dtype)
-        clone = _clone_with_weight(module, weight, w)
+        try:
+            clone = _clone_with_weight(module, weight, w)
+        except Exception as e:  # state deepcopy cannot copy (a hook holding a lock, say)
+            return Recognition(None, reason=f"it cannot be copied for the probe: {type(e).__name__}: {e}")
         for x_dtype in dtypes:
             for args in inputs(x_dtype):
                 try:
@@ -587,7 +600,7 @@ def _choose(probes: list[_Probe], candidates: list[tuple[float | None, Semantics
             size, failure = _disagreement(want, reference(semantics, args, w, eps))
             if failure is not None:
                 if best is None or size < best[0]:
-                    best = (size, f"{semantics.name}, {failure} at {_where(args, w)}")
+                    best = (size, f"{semantics.name}: {failure}, with {_where(args, w)}")
                 break
         else:
             own = weight.dtype if weight is not None else torch.float32
@@ -626,7 +639,8 @@ def _probe(module: nn.Module, shape: tuple[int, ...], eps_values: list[float | N
     if isinstance(found, Recognition):
         return found
     names = ", ".join(s.name for s in SEMANTICS)
-    return Recognition(None, reason=f"computes none of {names} (closest: {found})")
+    return Recognition(None, reason=f"computes none of {names} (the RMSNorm variants rms_norm computes, "
+                                    f"recognize.SEMANTICS; closest: {found})")
 
 
 def _group_sizes(module: nn.Module, n: int) -> list[int | None]:
@@ -668,5 +682,6 @@ def _probe_gated(module: nn.Module, shape: tuple[int, ...], eps_values: list[flo
     if isinstance(found, Recognition):
         return found
     names = ", ".join(form.name.format(act="act") for form in GATED_FORMS)
-    return Recognition(None, reason=f"a gated norm that computes none of {names} (act: {'/'.join(GATE_ACTIVATIONS)}; "
+    return Recognition(None, reason=f"a gated norm that computes none of {names} (the gated variants rms_norm "
+                                    f"computes, recognize.GATED_FORMS; act: {'/'.join(GATE_ACTIVATIONS)}; "
                                     f"closest: {found})")
