@@ -37,27 +37,23 @@ MAX_SPLIT = 128
 # (N a multiple of the elements; other N go on down the ladder), ``plain`` (forwards without a
 # residual only) and ``max_m`` (at most this many rows, where M is known when the plan is made: an
 # eager call, a graph traced with static shapes; a symbolic M, or a weight wider than x, goes on
-# down: forward_config). Rungs marked "steps" are
-# from profiling/results/tuning/2026-12-01-h200-forward-steps/ (8192 rows, inputs past L2; fwd-steps.json
-# without the residual, add-fwd-steps.json with it); "few rows" from
-# profiling/results/tuning/2026-12-02-h200-few-rows/ (few-rows.json: 16-4096 rows, inputs past L2).
+# down: forward_config). Figures marked "retune" are from
+# profiling/results/tuning/2026-12-04-h200-early-weight/retune-bf16.json: every tune.py forward candidate
+# against Inductor at 16, 2048 and 8192 rows, inputs past L2, one round.
 FWD_LADDER = (
     # N=256: 8 rows x 2 warps 98.3% (16 x 8: 96.1%); 1024: 2 x 2 97.4% (4 x 8: 97.2%; fwd-near.json)
     (1024, 2048, 2, {}),
-    # Steps: N=1536 1 row x 4 warps 81.2%, with the residual 90.7% (2 rows x 8 warps, the N=2048 rung: 75.1% /
-    # 90.3%; 2 rows x 1 warp 83.9% / 87.2%).
+    # N=1536: 1 row x 4 warps, retune 80.7% at 8192 rows (2 rows x 8 warps, the N=2048 rung: 75.8%; 4 rows x 1
+    # warp 83.5%).
     (2047, 2048, 4, {}),
-    # Few rows: N=2048 1 row x 4 warps at 512-4096 rows, 2.72 / 3.67 / 5.63 / 10.24 us against the rung below's
-    # 2.87 / 3.86 / 6.87 / 11.00 (Inductor 6.29 at 2048 rows), with the residual 1,024-4,096 rows 5.52 / 9.40 /
-    # 17.88 against 5.55 / 10.48 / 18.28, 16 rows 1.37 against 1.55; at 8192 rows 18.54 against 18.36 (real-shapes
-    # sweep.json, below).
+    # Few rows: N=2048 1 row x 4 warps (retune), 16 / 2048 rows 1.22 / 6.00 us against the rung below's 1.38 /
+    # 6.67 (Inductor 1.40 / 6.34), with the residual at 2048 rows 9.58 against 10.31; at 8192 rows 18.33 against
+    # 18.29.
     (2048, 2048, 4, dict(mask_free=True, max_m=4096)),
-    # At the shapes models run (8192 rows, inputs past L2; profiling/results/tuning/2026-12-01-h200-real-shapes/
-    # sweep.json): N=2048 2 rows x 8 warps without masks 85.5% (8 rows x 8 warps, the rung before: 79.1%);
-    # N=3584 1 row x 8 warps 91.3% (4 rows 84.3%, looped 2048 x 8 88.6%). N=2048 with the weight loaded first
-    # (early_weight): 17.98 -> 17.64 us at 8192 rows, 34.77 -> 34.43 with the residual, the norm-add kernel 35.21
-    # -> 34.59; with an fp32 weight 17.90 -> 17.88, and 5.38 -> 5.63 at 2048 rows, where such a weight takes
-    # this rung (early-weight.json).
+    # N=2048 at 8192 rows (retune): 2 rows x 8 warps without masks 85.8% (8 rows x 8 warps: 80.6%). With the
+    # weight loaded first (early_weight): 17.98 -> 17.64 us at 8192 rows, 34.77 -> 34.43 with the residual, the
+    # norm-add kernel 35.21 -> 34.59; with an fp32 weight 17.90 -> 17.88, and 5.38 -> 5.63 at 2048 rows, where
+    # such a weight takes this rung (early-weight.json).
     (2048, 4096, 8, dict(mask_free=True, early_weight=True)),
     # N=2049-4095: 1 row x 2 warps, 64 elements a thread, so the weight loads first (with_early_weight); 1 row x 8
     # warps, the rung before, at 2048 / 8192 rows (profiling/results/tuning/2026-12-04-h200-early-weight/
@@ -69,37 +65,29 @@ FWD_LADDER = (
     # N=3840 1.29 against 1.78 (rung-2049-4095.json).
     (4095, 4096, 8, dict(max_m=1024)),
     (4095, 4096, 2, {}),
-    # Few rows: N=4096 single-pass, 1 row x 8 warps without masks: 16 / 1024 / 2048 rows 1.41 / 5.78 / 10.68 us
-    # against the looped rung's 1.77 / 6.15 / 10.75, with the residual 1024 / 2048 rows 9.71 / 18.32 against 9.98 /
-    # 18.36; at 4096 rows 18.52 against 17.98. Without a residual, looped steps of 2048 x 4 warps run 2048 rows
-    # in 9.93 us against 10.59 (Inductor 10.32), but 18.84 against 18.20 with one: the norm-add kernel needs both
-    # forwards on one configuration (profiling/results/tuning/2026-12-04-h200-looped-steps/; docs/tried.md).
+    # Few rows: N=4096 single-pass, 1 row x 8 warps without masks, up to 2048 rows. Without a residual, looped
+    # steps of 2048 x 8 warps run 2048 rows in 10.53 us against 10.81 (retune), but not with one: the norm-add
+    # kernel needs both forwards on one configuration (docs/tried.md).
     (4096, 4096, 8, dict(mask_free=True, max_m=2048)),
-    # N=4096 looped, one step of the whole row x 8 warps without masks: 93.7% at 8192 rows (sweep.json; 4 rows
-    # x 8 warps, the rung before: 89.2%) and 99.2% at 32768 rows (check.json; 4 rows 96.9%).
+    # N=4096 looped, one step of the whole row x 8 warps without masks: the inference forward 94.1% / 97.6% at
+    # 8192 / 16384 rows (profiling/results/tuning/2026-12-04-h200-real-shapes-rotating/real-shapes-fwd-inference.json).
     (4096, 4096, 8, dict(looped=True, mask_free=True)),
-    # Few rows: N=4097-5120 single-pass, 1 row x 4 warps (the rung below 6144's): without a residual at 16 / 1024
-    # rows 1.70 / 7.91 us against the looped rung's 3.02 / 7.76; 5120 at 1025-2048 rows looped in steps of 1024 x 4
-    # warps, 12.39 us at 2048 rows against 8 warps' 13.26 (1 row x 4 warps 13.98), 23.26 against 22.83 at 4096.
+    # Few rows: N=4097-5120 single-pass, 1 row x 4 warps (the rung below 6144's): without a residual at 16 rows
+    # 1.84 us against the looped rung's 2.07 (retune); 5120 at 1025-2048 rows looped in steps of 1024 x 4 warps,
+    # 12.62 us at 2048 rows against 8 warps' 13.16 (1 row x 4 warps 12.66; retune).
     (5120, 8192, 4, dict(max_m=1024)),
     (5120, 1024, 4, dict(looped=True, mask_free=True, divides=True, plain=True, max_m=2048)),
-    # Steps: N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: 93.3%, 96.8% at
-    # 16384 rows (1 row x 4 warps: 84.6%, 87.0%); with the residual the single-pass rung below stays (95.5%;
-    # looped 92.7%).
+    # N=5120 without a residual looped in 5 steps of 1024 columns x 8 warps, without masks: retune 92.6% at 8192
+    # rows (1 row x 4 warps: 87.8%); with the residual the single-pass rung below stays.
     (5120, 1024, 8, dict(looped=True, mask_free=True, divides=True, plain=True)),
-    # Steps: N=6144 looped in 3 steps of 2048 x 8 warps: 95.9%, with the residual 95.6% (1 row x 4 warps: 91.4% /
-    # 95.7%).
+    # N=6144 looped in 3 steps of 2048 x 8 warps.
     (6144, 2048, 8, dict(looped=True, mask_free=True, divides=True)),
-    # N=7168 1 row x 4 warps 94.4%, 8 warps 94.0% (looped 4096 x 16, the rung above before: 89.8%; looped 1024 x 8
-    # without masks 92.9%, steps); N=5120 without a residual, before the looped rung: 4 warps 83.9%, 8 warps 84.2%
-    # (sweep.json); with the residual 95.5% (steps); at N=8192 the looped rung stays (97.8% against 93.7%; sweep.json).
+    # N=7168 1 row x 4 warps, training forward at 8192 rows 97.0%, 8 warps 94.0% (looped 1024 x 8 without masks
+    # 93.2%, looped 4096 x 16 89.5%; fwd-7168-training.json in
+    # profiling/results/tuning/2026-12-04-h200-real-shapes-rotating/); N=8192 takes the looped rung below.
     (8191, 8192, 4, {}),
-    # Few rows of N=8192 (profiling/results/tuning/2026-12-04-h200-few-rows-wide/, 3 rounds unless marked):
-    # single-pass, 1 row x 8 warps without masks, at 16 / 256 rows 1.65 / 3.93 us against the looped rung's 1.94 /
-    # 4.20 (rounds.json), with the residual at 256 rows 5.69 against 6.07 (rounds-2.json); at 528 rows 6.02 against
-    # 6.10 (one round, few-rows-wide.json). Looped in steps of 2048 x 8 warps at 1024 rows, without a residual:
-    # 10.06 against 10.65 (Inductor 9.63; rounds-2.json); with one that loop took 20.50 against 18.37
-    # (few-rows-wide-2.json).
+    # Few rows of N=8192: single-pass, 1 row x 8 warps without masks, up to 528 rows; without a residual, looped
+    # in steps of 2048 x 8 warps up to 1024 rows (with one, that loop is slower).
     (8192, 8192, 8, dict(mask_free=True, max_m=528)),
     (8192, 2048, 8, dict(looped=True, mask_free=True, plain=True, max_m=1024)),
     # Looped, by bench timing (fwd-near.json): 4096 columns x 16 warps, Inductor's own configuration
@@ -116,11 +104,9 @@ FWD_LADDER = (
 )
 # A weight wider than x (an fp32 weight over bf16 rows, as autocast leaves a model's parameters), a known M up
 # to 2048 rows: 2 rows a program, which read the weight once for both, x 4 warps; elsewhere the rungs for many
-# rows (forward_config). By profiling/tune.py --wdtype float32 --rounds 3
-# (profiling/results/tuning/2026-12-04-h200-few-rows-wide/fp32-weight-rounds*.json), against the rungs for many
-# rows: 2048 x 1536 5.23 us against 6.32 (Inductor 5.22), 2048 x 4096 10.47 against 11.51 (10.42), 2048 x 3584
-# 9.83 (9.84), 528 x 2048 2.76 against 2 rows x 8 warps' 2.84 (2.73); 528 x 3584 4.25, where 2 rows x 8 warps
-# took 3.88 (Inductor 3.33) and at 2048 rows over 10.35 (one round, fp32-weight-rows-2.json).
+# rows (forward_config). By profiling/tune.py --wdtype float32, one round
+# (profiling/results/tuning/2026-12-04-h200-early-weight/retune-fp32-weight.json), against the rungs for many
+# rows: 2048 x 4096 10.46 us against 11.66 (Inductor 10.30), 528 x 2048 2.97 against 3.21 (2.77).
 FWD_LADDER_WIDE_WEIGHT = (
     FWD_LADDER[0],  # N <= 1024: the same rung whatever the weight
     (2048, 4096, 4, dict(mask_free=True, max_m=2048)),
@@ -167,8 +153,9 @@ FWD_SPLIT_FP32 = ((MAX_N, 8192, 4, dict(programs_per_sm=2, stages=2, interleave=
 # faster (528 x 7168 9.95 -> 8.73).
 # Written first, the weight's loads still go where ptxas puts them: in an inference forward (no rstd) it issued
 # most of them after the row's sum, so the rows kernel holds them first with a barrier there: 2048 x 7168
-# 16.89 -> 15.85 us, 8192 x 7168 58.10 -> 57.08, 528 x 8192 7.04 -> 5.97 (profiling/results/tuning/
-# 2026-12-04-h200-forward-barrier/; no gain with rstd stored, mixed with the residual, where it is left out).
+# 16.89 -> 15.85 us, 8192 x 7168 58.10 -> 57.08, 528 x 8192 7.04 -> 5.97 (inference-*-barrier.json in
+# profiling/results/tuning/2026-12-04-h200-early-weight/; no gain with rstd stored, mixed with the residual, where
+# it is left out).
 EARLY_WEIGHT_ELEMENTS = 64
 EARLY_WEIGHT_SHARE = 0.5
 # Backward, single-pass: (max N, elements per program, warps, options: programs per SM; the
@@ -179,15 +166,9 @@ BWD_LADDER = (
     (64, 4096, 16, dict(programs_per_sm=2)),  # N <= 64: the N=128 rung for many rows (not measured at few)
     # N=65-128 at up to 32768 rows (head norms of a few thousand tokens): 64 rows x 4 warps at every M, fewer and
     # fuller row groups than fit_to_rows would make (keep_rows: at N=128 the dweight partials, one row a group,
-    # outweigh the grid): 5.81 / 7.74 / 9.93 / 13.47 us at 2048 / 8192 / 16384 / 32768 rows, 4.03 at 256 (16 rows
-    # 3.73), against the rung below as fit_to_rows cuts it 11.42 / 12.92 / 15.78 at 8192-32768 rows, and this rung
-    # cut by it 6.97 / 8.91 / 10.57 / 15.06, 4.98 at 256; with the residual's gradient 8.91 / 11.03 at 8192 / 16384
-    # against 12.45 / 13.93 (n128-bwd.json in profiling/results/tuning/2026-12-02-h200-head-norm-backward/); at
-    # 65536 rows 21.77 against the rung below's 21.83
-    # (profiling/results/tuning/2026-12-01-h200-forward-steps/n128-small-m.json).
+    # outweigh the grid).
     (128, 8192, 4, dict(programs_per_sm=2, counted_loop=True, keep_rows=True, max_m=32768)),
-    # N=128 (head norms: 131072 rows, sweep.json): 32 rows x 16 warps, 2 programs per SM 70.5% (the N=256 rung:
-    # 55.0%).
+    # N=128 over more rows (head norms): 32 rows x 16 warps, 2 programs per SM.
     (128, 4096, 16, dict(programs_per_sm=2)),
     # N=256: 32 rows, counted loop 90.1% (in-kernel bounds 88.7%); rows prefetched a tile ahead (stages 2):
     # 85.5% against 83.5% under do_bench (staged.json)
@@ -195,18 +176,15 @@ BWD_LADDER = (
     # Where a tile row spans all of a program's threads, the dweight accumulator is one row
     # (launch.dweight_acc_rows): 8 rows x 2048 went from 255 registers to 174 (Triton 3.9, sm_90a;
     # profiling/resource_usage.py), and two or four programs fit on an SM. Rungs from N=1024 to 4096 by
-    # profiling/tune.py with that accumulator (profiling/results/tuning/2026-12-01-h200-backward/bwd.json):
-    # N=1024 (131072 rows), counted loop 91.4% (in-kernel bounds 86.4%).
+    # profiling/tune.py with that accumulator. N=1024: counted loop.
     (1024, 4096, 4, dict(programs_per_sm=8, stages=2, counted_loop=True)),
-    # N=2048 (8192 rows): 2 rows x 8 warps, 4 programs per SM: 69.9%, with the residual's gradient 76.7% (4 rows,
-    # 2 per SM, counted loop, the rung before: 70.1% / 77.0%; 8 rows, 1 per SM: 64.6% / 72.7%; candidates.json).
-    # As models launch it, with the residual's gradient and dy summed from 2 or 3 terms (BWD_SUMMED):
-    # 80.5% / 81.8% against the rung before's 71.9% / 78.3% (profiling/results/tuning/2026-12-01-h200-summed-backward/).
+    # N=2048: 2 rows x 8 warps, 4 programs per SM. At 8192 rows with the residual's gradient, as models launch it
+    # (dy summed from 2 or 3 terms, BWD_SUMMED): 46.30 / 55.39 us against 51.32 / 70.27 for 4 rows x 8 warps, 2 per
+    # SM, counted loop, and 70.29 (2 terms) for 8 rows, 1 per SM; with one term 38.59 against 4 rows' 37.48
+    # (summed-2048.json in profiling/results/tuning/2026-12-04-h200-summed-backward-stages/).
     # 64 registers a thread (profiling/resource_usage.py): the 4 programs fit an SM's register file.
     (2048, 4096, 8, dict(programs_per_sm=4)),
-    # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop: 81.2%, with the residual's gradient 85.7% (in-kernel
-    # bounds 81.5% / 66.6%; add-bwd-4096.json); in-kernel bounds 92.2% at 32768 rows (bwd.json). 4 rows x 16 warps,
-    # the rung before: 70.8% / not measured, 88.0% at 32768 rows.
+    # N=4096: 2 rows x 8 warps, 2 programs per SM, counted loop.
     (4096, 8192, 8, dict(programs_per_sm=2, counted_loop=True)),
     # N=8192: 1 row x 16 warps, the next row loaded into registers ahead of each row's arithmetic (prefetch),
     # against 2 rows x 16 warps without it (91.5% at 256 MiB; counted loop 78.2%, 2 programs per SM 89.8%): 0.79-0.995x
@@ -225,9 +203,8 @@ BWD_LADDER = (
 # registers for the terms' loads, and keeps its stages. The grid, and so the dweight partials, stay the
 # launch's. GPU time at 8192 rows with the residual's gradient, by profiling/tune.py --rounds 3
 # (profiling/results/tuning/2026-12-04-h200-summed-backward-stages/):
-# - N=2048: 2 rows (the rung's) 80.5% with 2 terms (1 row 76.5%; profiling/results/tuning/
-#   2026-12-01-h200-summed-backward/candidates.json); with 3, 1 row prefetched a row ahead (stages 2):
-#   55.39 -> 53.93 us, and at N = 1,536 45.37 -> 42.67;
+# - N=2048: 2 rows (the rung's) with 2 terms, 46.36 us against 46.30 for 1 row (table.json, summed-2048.json);
+#   with 3, 1 row prefetched a row ahead (stages 2): 55.39 -> 53.93 us, and at N = 1,536 45.37 -> 42.67;
 # - N=4096: 2 rows (the rung's) with 2 terms, 95.07 -> 85.56 us (N = 3,584 86.88 -> 76.82) against 1 row;
 #   with 3, 1 row at stages 2: 109.27 -> 104.20 (3,584: 99.64 -> 92.71).
 # N=8192's rung (2 rows x 16 warps, 1 program per SM) keeps the halving: what beats it takes 4 warps and
@@ -280,10 +257,9 @@ INTERPRETER_SM_COUNT = 4
 # (below it the scratch is within the target of dx + 2%; above it, merging above 1 MiB alone cost
 # 2.0-3.5% of fwd+bwd time at 4096 fp32, 32768 and 65536, dweight-merge-above-1MiB-bench.md). At the
 # benchmark's 256 MiB shapes that merges at N = 16384 only (peak extra 264.4 -> 260.2 MiB, dx + 3.3% ->
-# 1.6%). The size is 6 MiB, between the scratch of the shapes models run, where merging cost 1.2-2.1 us
-# of a backward (4 MiB at 8192 x 2048 bf16, 512 groups: 33.9 -> 32.1 us unmerged; 2048 x 2048, 8192 x
-# 4096, 16384 x 2048 and the summed-gradient launches alike), and the 8.25 MiB at 8192 x 16384, where it
-# saved 4.2-4.7 us of 222.6 (profiling/results/tuning/2026-12-01-h200-dweight-reduction/).
+# 1.6%). The size is 6 MiB, above the scratch of the shapes models run (4 MiB at 8192 x 2048 bf16, 512
+# groups), where merging costs more than it saves, and below the 8.25 MiB at 8192 x 16384, where it
+# saves time.
 MERGE_SCRATCH_BYTES = 6 << 20
 MERGE_SCRATCH_SHARE = 1 / 50
 # dweight reduction (kernels/reduce.py): one launch, one program per column tile summing every partial
@@ -293,8 +269,8 @@ MERGE_SCRATCH_SHARE = 1 / 50
 # REDUCE_WIDE_PROGRAMS_PER_SM programs an SM, else REDUCE_COLUMNS[0] (128 x 8, 64 x 16). Fewer rows go
 # in one step, in tiles as many columns wide as make REDUCE_TILE elements (16 KiB of fp32 a program):
 # fixed 32 x 128 tiles left most rows masked where there are few, 7.85 us for 4 partial rows at N =
-# 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows, 2.40 us
-# (profiling/results/benchmark/2026-11-30-h200-final18/).
+# 262144, 2048 programs (bench-kernel-breakdown.json); sized to the rows, 2.25 us (_rms_norm_dw_reduce at
+# 512 x 262144 in profiling/results/benchmark/2026-12-01-h200-bench/).
 # Against the reduction before (REDUCE_TILE elements at every row count, 128 x 32, and two launches, a
 # first splitting the partial rows, where that left fewer programs than half the SMs: N < 2112), the
 # backward with its reduction, GPU time (profiling/results/tuning/2026-12-04-h200-dweight-reduce-tiles/
@@ -460,9 +436,9 @@ def forward_config(n: int, dtype: torch.dtype, residual: bool = False, m: int | 
     rows: where M is not an int (None, or symbolic while tracing) the rungs tuned at many rows
     serve. A ``weight_dtype`` wider than ``dtype`` takes its own rungs for few rows
     (``FWD_LADDER_WIDE_WEIGHT``), else the rungs for many rows: the few-rows rungs give each
-    program one row, which reads the whole weight once a row (at 2048 x 2048 bf16 with an fp32
-    weight, 1 row x 4 warps took 7.64 us against the many-rows rung's 7.16;
-    profiling/results/tuning/2026-12-02-h200-few-rows/few-rows-fp32-weight.json)."""
+    program one row, which reads the whole weight once a row (at 528 x 2048 bf16 with an fp32
+    weight, 1 row x 4 warps took 3.29 us against the many-rows rung's 3.21;
+    profiling/results/tuning/2026-12-04-h200-early-weight/retune-fp32-weight.json)."""
     if weight_dtype is not None and weight_dtype.itemsize > dtype.itemsize:
         return _wide_weight_config(n, dtype, residual, _bound_rows(m, _WIDE_WEIGHT_ROW_BOUNDS))
     return _forward_config(n, dtype, residual, _bound_rows(m, _FWD_ROW_BOUNDS))
