@@ -381,6 +381,22 @@ def test_uninstall_leaves_an_option_set_since_by_someone_else():
         config.post_grad_custom_post_pass = None
 
 
+def test_a_pass_of_ours_put_back_by_a_config_patch_is_replaced_not_chained():
+    """``config.patch`` entered while the passes are installed puts them back on exit, after an
+    uninstall: the next install replaces them (chained, the stale rule would run after ours)."""
+    from torch._inductor import config
+
+    T.install_inductor_passes()
+    with config.patch(pre_grad_custom_pass=None, post_grad_custom_post_pass=None):
+        T.uninstall_inductor_passes()
+    stale = config.pre_grad_custom_pass
+    assert isinstance(stale, passes.pass_class()) and T.inductor_passes_installed() is None
+    T.install_inductor_passes(rule=False)
+    assert config.pre_grad_custom_pass.then is None and config.post_grad_custom_post_pass.then is None
+    T.uninstall_inductor_passes()
+    assert config.pre_grad_custom_pass is None
+
+
 def test_importing_and_calling_the_ops_change_no_inductor_option_and_no_environment():
     """Only ``install_inductor_passes`` (or patching) sets Inductor's options: an eager call and
     a compiled call of the ops, unpatched, leave them and the environment as they were."""

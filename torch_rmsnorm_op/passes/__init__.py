@@ -140,15 +140,23 @@ def install_inductor_passes(*, rule: bool = True, gradient_sums: bool = True, st
     config = _torch_compat.inductor_config()
     settings = Settings(rule, gradient_sums, static_launch)
     with _lock:
-        found = _installed[1] if _installed is not None else {
-            option: getattr(config, option, None) for option in (*_OPTIONS.values(), _STATIC_LAUNCH)}
         cls = pass_class()
+        found = _installed[1] if _installed is not None else {
+            option: _outside(getattr(config, option, None), cls) for option in (*_OPTIONS.values(), _STATIC_LAUNCH)}
         for stage, option in _OPTIONS.items():
             setattr(config, option, cls(stage, settings, found[option]))
         if hasattr(config, _STATIC_LAUNCH):  # a torch without the option has nothing to set
             setattr(config, _STATIC_LAUNCH, True if static_launch else found[_STATIC_LAUNCH])
         _installed = (settings, found)
     log.debug("installed the Inductor passes: %s", settings)
+
+
+def _outside(value: object, cls: type) -> object:
+    """``value`` without our passes: a pass of ours found in an option while none is installed
+    (put back by a ``config.patch`` that began while it was installed) is replaced, not chained."""
+    while isinstance(value, cls):
+        value = value.then
+    return value
 
 
 def uninstall_inductor_passes() -> None:
