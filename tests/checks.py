@@ -1,9 +1,10 @@
-"""Checks the tests share."""
+"""Checks and toy modules the tests share."""
 
 import contextlib
 
 import torch
 from tolerances import SAME_OPS_FP32, few_roundings
+from torch import nn
 
 from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
 
@@ -78,3 +79,14 @@ def run_once(tmp_path_factory, name: str, produce):
             folder.mkdir(exist_ok=True)
             done.write_text(json.dumps(produce(folder)))
     return folder, json.loads(done.read_text())
+
+
+class WeightlessRMSNorm(nn.Module):
+    """No weight: normalizes whatever last dim it is given."""
+
+    def __init__(self, eps=1e-6):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)

@@ -14,6 +14,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from checks import WeightlessRMSNorm
 from tolerances import MODEL
 from torch import nn
 
@@ -21,17 +22,6 @@ import torch_rmsnorm_op as T
 from torch_rmsnorm_op.tools.toy_models import GemmaStyleRMSNorm, LlamaStyleRMSNorm
 
 D = 16
-
-
-class WeightlessRMSNorm(nn.Module):
-    """No weight: normalizes whatever last dim it is given."""
-
-    def __init__(self, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
 class GroupedRMSNorm(GemmaStyleRMSNorm):

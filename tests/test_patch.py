@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from checks import assert_computes_like, compiling_afresh
+from checks import WeightlessRMSNorm, assert_computes_like, compiling_afresh
 from tolerances import MODEL, NORM_FP32, TOL, grad_tol
 from torch import nn
 
@@ -103,17 +103,6 @@ class StreamsRMSNorm(GemmaStyleRMSNorm):
         if self.llama:
             return self.weight * n.to(x.dtype)
         return (n * (1.0 + self.weight.float())).type_as(x)
-
-
-class WeightlessRMSNorm(nn.Module):
-    """No weight: normalizes whatever last dim it is given."""
-
-    def __init__(self, eps=1e-6):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x):
-        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
 
 
 class CenteredRMSNorm(GemmaStyleRMSNorm):

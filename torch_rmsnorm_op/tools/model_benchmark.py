@@ -1223,18 +1223,6 @@ def _commit() -> str | None:
         return None
     return (head + ("+dirty" if dirty else "")) or None
 
-def _commit() -> str | None:
-    """The checkout's short commit, ``+dirty`` where tracked files differ from it; None outside git."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return (head + ("+dirty" if dirty else "")) or None
-
 
 ROW_KEY = ("model", "hidden", "layers", "tokens", "mode", "float8", "pass", "impl")
 
