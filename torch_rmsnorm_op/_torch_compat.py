@@ -26,7 +26,16 @@ the job. Checked on torch 2.11 and 2.13.
 - ``inductor_config()`` and ``custom_graph_pass_class()``: the options the library's passes are
   installed in, and the base class of a cacheable pass (``passes.install_inductor_passes``);
 - ``unrolled_reduction_limit()``: the reductions Inductor unrolls into their reader (the
-  compile rule's vocabulary, ``passes/graph.py``).
+  compile rule's vocabulary, ``passes/graph.py``);
+- ``cuda_current_device()``: ``torch.cuda.current_device()`` without its lazy-init check, for
+  launches that already hold a CUDA launcher;
+- ``profiler_enabled()`` and ``forward_ad_level()``: whether the autograd profiler records, and
+  the innermost forward-mode AD level (-1: none), read on every eager call;
+- ``FakeTensor`` and ``FunctionalTensor``: the tensor types AOTAutograd traces with;
+- ``has_kernel_for_dispatch_key(op, key)``: whether aten registers ``op`` for a dispatch key
+  (autocast's lists per device);
+- ``remove_batch_dim``, ``add_batch_dim`` and ``vmap_nesting()``: the legacy vmap's batched
+  tensors (``torch._vmap_internals``), which batched gradients still use.
 """
 
 from __future__ import annotations
@@ -35,10 +44,20 @@ import sys
 
 import torch
 from torch._C._functorch import TransformType, peek_interpreter_stack
-from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 __all__ = [
+    "FakeTensor",
+    "FunctionalTensor",
     "FunctionalTensorMode",
+    "add_batch_dim",
+    "cuda_current_device",
+    "forward_ad_level",
+    "has_kernel_for_dispatch_key",
+    "profiler_enabled",
+    "remove_batch_dim",
+    "vmap_nesting",
     "aot_compiling",
     "constant_args",
     "decomposing_custom_triton_ops",
@@ -169,3 +188,24 @@ def unrolled_reduction_limit() -> int:
     """The element count up to which Inductor unrolls a reduction into the kernel that reads its
     result (``unroll_reductions_threshold``)."""
     return int(inductor_config().unroll_reductions_threshold)
+
+
+# Bound once: each is read on a hot path (an eager call, a launch).
+cuda_current_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from builds without CUDA
+profiler_enabled = torch._C._autograd._profiler_enabled
+has_kernel_for_dispatch_key = torch._C._dispatch_has_kernel_for_dispatch_key
+remove_batch_dim = torch._remove_batch_dim
+add_batch_dim = torch._add_batch_dim
+_forward_ad = torch.autograd.forward_ad
+
+
+def forward_ad_level() -> int:
+    """The innermost forward-mode AD level, -1 where none is active."""
+    return _forward_ad._current_level
+
+
+def vmap_nesting() -> int:
+    """How many levels of the legacy vmap this thread is inside."""
+    top = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    return top

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from torch_rmsnorm_op import (
+    _torch_compat,
     ops,  # noqa: F401  (defines the ops the rules are registered on)
     reference,
 )
@@ -159,9 +160,8 @@ def _norm_add_fwd_vmap(info, in_dims, x: Tensor, residual: Tensor, x_weight: Ten
 # dispatch key (not functorch's FuncTorchBatched, which register_vmap serves). Its per-sample
 # loop fallback refuses ops with an optional result (bwd, add_bwd), and would cost B calls for
 # the others, so a kernel on "Batched" unwraps its tensors and runs the rules above. That vmap
-# has no public API: the calls below (torch._add_batch_dim, torch._remove_batch_dim,
-# torch._C._vmapmode_increment_nesting / _decrement_nesting) are the ones torch/_vmap_internals.py
-# itself makes: checked on torch 2.13, and the same calls there since long before torch 2.11.
+# has no public API: the calls below (``_torch_compat``'s add_batch_dim, remove_batch_dim and
+# vmap_nesting) are the ones torch/_vmap_internals.py itself makes.
 
 
 class _VmapInfo(NamedTuple):
@@ -174,7 +174,7 @@ class _VmapInfo(NamedTuple):
 def _legacy_batch_size(t: Tensor, level: int) -> int | None:
     """The size of ``t``'s batch dim at ``level``, or None if it has none there: an unbatched
     tensor comes back expanded to the size asked for, a batched one at its own."""
-    one, two = torch._remove_batch_dim(t, level, 1, 0), torch._remove_batch_dim(t, level, 2, 0)
+    one, two = _torch_compat.remove_batch_dim(t, level, 1, 0), _torch_compat.remove_batch_dim(t, level, 2, 0)
     return one.shape[0] if one.shape[0] == two.shape[0] else None
 
 
@@ -185,8 +185,7 @@ MAX_LEGACY_LEVEL = 8
 
 def _innermost_level(tensors: list[Tensor]) -> tuple[int, int]:
     """The innermost vmap level any of ``tensors`` is batched at, and its batch size."""
-    top = torch._C._vmapmode_increment_nesting() - 1
-    torch._C._vmapmode_decrement_nesting()
+    top = _torch_compat.vmap_nesting()
     for level in range(top or MAX_LEGACY_LEVEL, 0, -1):
         for t in tensors:
             size = _legacy_batch_size(t, level)
@@ -203,10 +202,10 @@ def _legacy_batched(rule: Callable, *args: Any, **kwargs: Any) -> Any:
     physical, in_dims = [], []
     for a in args:
         batched = isinstance(a, Tensor) and _legacy_batch_size(a, level) is not None
-        physical.append(torch._remove_batch_dim(a, level, size, 0) if batched else a)
+        physical.append(_torch_compat.remove_batch_dim(a, level, size, 0) if batched else a)
         in_dims.append(0 if batched else None)
     outputs, out_dims = rule(_VmapInfo(size), tuple(in_dims), *physical, **kwargs)
-    return tuple(o if d is None else torch._add_batch_dim(o, d, level) for o, d in zip(outputs, out_dims))
+    return tuple(o if d is None else _torch_compat.add_batch_dim(o, d, level) for o, d in zip(outputs, out_dims))
 
 
 _LIB = torch.library.Library("rmsnorm", "FRAGMENT")  # kept alive: a collected Library unregisters its kernels

@@ -33,8 +33,8 @@ from torch_rmsnorm_op.fallback import record_fallback, record_kernel
 
 _PLAIN_WEIGHT_TYPES = (Tensor, torch.nn.Parameter)
 _NOT_KEPT = (Tensor, torch.SymInt, torch.SymFloat)  # an eps or offset of these: each call checks it
-_profiler_enabled = torch._C._autograd._profiler_enabled
-_forward_ad = torch.autograd.forward_ad
+_profiler_enabled = _torch_compat.profiler_enabled
+_forward_ad_level = _torch_compat.forward_ad_level
 
 
 def _transform_reason() -> str | None:
@@ -44,7 +44,7 @@ def _transform_reason() -> str | None:
     transform = _torch_compat.functorch_transform()
     if transform is not None:
         return f"torch.func transform {transform}"
-    if _forward_ad._current_level >= 0:
+    if _forward_ad_level() >= 0:
         return "forward-mode AD"
     return None
 
@@ -110,7 +110,7 @@ def _kept_signature(x: Tensor, normalized_shape: Sequence[int], weight: Tensor |
     call. Unhashable or unusual arguments (a tensor eps, a non-finite one) take the general
     path, which checks them. A torch function mode or a tensor subclass sees the call through
     the general path (``__torch_function__``), before anything reads x's attributes."""
-    if type(x) is not Tensor or not _torch_compat.dispatcher_has_nothing_to_do() or _forward_ad._current_level >= 0:
+    if type(x) is not Tensor or not _torch_compat.dispatcher_has_nothing_to_do() or _forward_ad_level() >= 0:
         return None
     if x.is_nested or x.layout is not torch.strided or x.is_neg():
         return None

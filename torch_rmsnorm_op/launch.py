@@ -217,7 +217,7 @@ def replay_forward(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, y: 
     sp = None if rstd is None else rstd.data_ptr()
     index = x.get_device()
     # torch.cuda.current_device() without its lazy-init check: a plan's launcher means CUDA is up
-    if ((xp | (rp or 0) | (wp or 0) | yp | (hp or 0) | (sp or 0)) & 15 or index != torch._C._cuda_getDevice()
+    if ((xp | (rp or 0) | (wp or 0) | yp | (hp or 0) | (sp or 0)) & 15 or index != _torch_compat.cuda_current_device()
             or not _triton_compat.no_launch_hooks()):
         return False
     launcher = plan.launcher
@@ -236,9 +236,9 @@ def forward_norm_only(plan: Plan, x: Tensor, weight: Tensor | None, eps: float, 
         xp, yp = x.data_ptr(), y.data_ptr()
         wp = None if weight is None else weight.data_ptr()
         index = x.get_device()
-        # torch._C._cuda_getDevice(): torch.cuda.current_device() without its lazy-init check (a
-        # plan's launcher means CUDA is up)
-        if not (xp | yp | (wp or 0)) & 15 and index == torch._C._cuda_getDevice() and _triton_compat.no_launch_hooks():
+        # torch.cuda.current_device() without its lazy-init check: a plan's launcher means CUDA is up
+        if (not (xp | yp | (wp or 0)) & 15 and index == _torch_compat.cuda_current_device()
+                and _triton_compat.no_launch_hooks()):
             grid3, sizes, tail = plan.replay
             launcher.call(*grid3, _triton_compat.current_stream(index), *launcher.head, xp, None, wp, yp, None, None,
                           *sizes, eps, *tail)

@@ -316,7 +316,7 @@ def _(x: Tensor, residual: Tensor, x_weight: Tensor | None, x_eps: float, weight
 
 # Where each op's x (the tensor whose device decides) sits in its arguments.
 _X_ARG = {"fwd": 0, "bwd": 1, "add_fwd": 0, "add_bwd": 2, "norm_add_fwd": 0}
-_PLAIN_TYPES = (Tensor, torch._subclasses.FakeTensor, torch._subclasses.functional_tensor.FunctionalTensor)
+_PLAIN_TYPES = (Tensor, _torch_compat.FakeTensor, _torch_compat.FunctionalTensor)
 
 
 def _decomposes(x: Tensor) -> bool:
@@ -347,7 +347,7 @@ def _decomposition(name: str):
         # export's setting first: keeping the op whole needs no look at x's device
         if not _torch_compat.decomposing_custom_triton_ops() or not _decomposes(x):
             return mode.__torch_dispatch__(op, types, args, kwargs)  # one opaque call
-        if any(t not in _PLAIN_TYPES and not issubclass(t, torch._subclasses.FakeTensor) for t in types):
+        if any(t not in _PLAIN_TYPES and not issubclass(t, _torch_compat.FakeTensor) for t in types):
             return NotImplemented
         with mode:
             return impl(*args, **kwargs, traced=True)
@@ -490,6 +490,6 @@ torch.library.register_autograd("rmsnorm::norm_add_fwd", _norm_add_backward, set
 # list (CUDA's in torch 2.13, not CPU's), F.rms_norm computes from fp32 inputs and returns
 # fp32 there, so the forward ops do the same; elsewhere inputs pass through as they are.
 for _device, _key in (("cuda", "AutocastCUDA"), ("cpu", "AutocastCPU")):
-    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::rms_norm", _key):
+    if _torch_compat.has_kernel_for_dispatch_key("aten::rms_norm", _key):
         for _op in ("rmsnorm::fwd", "rmsnorm::add_fwd", "rmsnorm::norm_add_fwd"):
             torch.library.register_autocast(_op, _device, torch.float32, lib=_LIB)
