@@ -7,6 +7,7 @@ from tolerances import SAME_OPS_FP32, few_roundings
 from torch import nn
 
 from torch_rmsnorm_op.patch import PatchedGatedRMSNorm
+from torch_rmsnorm_op.tools.toy_models import LlamaStyleRMSNorm
 
 
 def assert_computes_like(original, patched, x, gate=None) -> None:
@@ -90,3 +91,16 @@ class WeightlessRMSNorm(nn.Module):
 
     def forward(self, x):
         return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+
+class NormThenGateRMSNorm(LlamaStyleRMSNorm):
+    """Qwen3-Next's, Qwen 3.5's, OLMo-Hybrid's gated norm: Llama's norm, then silu(gate) in fp32,
+    cast back."""
+
+    def forward(self, hidden_states, gate):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        hidden_states = self.weight * hidden_states.to(input_dtype)
+        return (hidden_states * nn.functional.silu(gate.to(torch.float32))).to(input_dtype)

@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from checks import WeightlessRMSNorm
+from checks import NormThenGateRMSNorm, WeightlessRMSNorm
 from tolerances import MODEL
 from torch import nn
 
@@ -37,18 +37,6 @@ class GroupedRMSNorm(GemmaStyleRMSNorm):
         return (n * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedRMSNorm(LlamaStyleRMSNorm):
-    """Qwen3-Next's gated norm: Llama's norm, then silu(gate) in fp32, cast back."""
-
-    def forward(self, hidden_states, gate):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        hidden_states = self.weight * hidden_states.to(input_dtype)
-        return (hidden_states * nn.functional.silu(gate.to(torch.float32))).to(input_dtype)
-
-
 class Model(nn.Module):
     """A norm of each kind the patcher swaps, one after the other with residual adds."""
 
@@ -58,7 +46,7 @@ class Model(nn.Module):
         self.norms = nn.ModuleDict(dict(torch=nn.RMSNorm(D, eps=1e-5), llama=LlamaStyleRMSNorm(D),
                                         gemma=GemmaStyleRMSNorm(D), weightless=WeightlessRMSNorm(),
                                         grouped=GroupedRMSNorm(D, 4)))
-        self.gated = GatedRMSNorm(D)
+        self.gated = NormThenGateRMSNorm(D)
 
     def forward(self, x):
         h, gate = self.proj(x).chunk(2, dim=-1)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from checks import WeightlessRMSNorm, assert_computes_like, compiling_afresh
+from checks import NormThenGateRMSNorm, WeightlessRMSNorm, assert_computes_like, compiling_afresh
 from tolerances import MODEL, NORM_FP32, TOL, grad_tol
 from torch import nn
 
@@ -138,18 +138,6 @@ class GatedRMSNorm(LlamaStyleRMSNorm):
 
 
 # The gated norms' forms (forward(hidden_states, gate)), as transformers writes them.
-class NormThenGateRMSNorm(LlamaStyleRMSNorm):
-    """Qwen3-Next's, Qwen 3.5's, OLMo-Hybrid's: Llama's norm, then silu(gate) in fp32, cast back."""
-
-    def forward(self, hidden_states, gate):
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        hidden_states = self.weight * hidden_states.to(input_dtype)
-        return (hidden_states * nn.functional.silu(gate.to(torch.float32))).to(input_dtype)
-
-
 class Fp32SigmoidGateRMSNorm(LlamaStyleRMSNorm):
     """Kimi Linear's: scaled in fp32, then sigmoid(gate); ``gate=None`` in the signature only."""
 
