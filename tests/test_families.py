@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from checks import assert_computes_like
+from checks import assert_computes_like, compiling_afresh
 from tolerances import MODEL, few_roundings
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
@@ -271,7 +271,8 @@ def test_family_under_inductor(device, family):
     torch._dynamo.reset()
     T.reset_dispatch_stats()
     compiled = torch.compile(lambda **kw: _output(model, **kw), fullgraph=True)
-    _assert_close(_outputs_and_grads(compiled, model, inputs), want)
+    with compiling_afresh():  # sites are counted where a graph is traced, not loaded from a cache
+        _assert_close(_outputs_and_grads(compiled, model, inputs), want)
     stats = T.dispatch_stats()
     if device.type == "cpu":  # a compiled CPU graph calls each op of ours once a step
         sites, calls = stats["sites"], stats["kernel"]
