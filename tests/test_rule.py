@@ -11,6 +11,7 @@ opaque call in the output code (``torch.ops.rmsnorm.add_fwd`` where our forward 
 import copy
 import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -330,6 +331,88 @@ def test_decoders_compile_as_the_rule_decides_and_match_the_unpatched_model(fami
     torch.testing.assert_close(out.logits, ref.logits, **MODEL[torch.float32])
     for (name, a), b in zip(stock.named_parameters(), patched.parameters()):
         torch.testing.assert_close(b.grad, a.grad, **MODEL[torch.float32], msg=name)
+
+
+def _code_lines(codes: list[str]) -> list[str]:
+    """Inductor's output code without its comments, blank lines, paths and hashed names."""
+    lines = []
+    for code in codes:
+        code = re.sub(r"#.*", "", code)
+        code = re.sub(r"/tmp/\S+|\b[0-9a-z]{20,}\b", "_", code)
+        lines.extend(line for line in code.splitlines() if line.strip())
+    return lines
+
+
+class _SumNormScaled(torch.nn.Module):
+    """A residual add, Hugging Face's Llama norm, and linears that scale their input by its
+    absolute maximum first (``_Scaled``, as torchao's float8 linears do; ``float8``: torchao's
+    own float8 training linears, rowwise)."""
+
+    def __init__(self, float8: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = transformers.models.llama.modeling_llama.LlamaRMSNorm(64, eps=1e-6)
+        self.q, self.k = (torch.nn.Linear(64, 32, bias=False) for _ in range(2))
+        self.float8 = float8
+        if float8:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+            convert_to_float8_training(self, config=Float8LinearConfig.from_recipe_name("rowwise"),
+                                       module_filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear))
+
+    def forward(self, x, r):
+        y = self.norm(x + r)
+        if self.float8:
+            return sum(p(y).float().square().mean() for p in (self.q, self.k))
+        return sum(_Scaled.apply(y, p.weight).float().square().mean() for p in (self.q, self.k))
+
+
+def _decoder_where_inductor_keeps_every_norm():
+    model = _tiny("Gemma2", attn_implementation="eager").to(torch.bfloat16)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    return model, dict(input_ids=ids, labels=ids), {"forward inductor, backward inductor": 9}
+
+
+def _sum_read_by_scaling_linears(float8: bool):
+    if float8:
+        pytest.importorskip("torchao.float8", reason="torchao's float8 linears need torchao (the float8 extra)")
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(2, 8, 64, generator=g, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    model = _SumNormScaled(float8).to(torch.bfloat16)
+    return model, dict(x=x, r=r), {"forward inductor, backward inductor": 1}
+
+
+STOCK_CODE_CASES = {
+    "a decoder whose norms all read fused inputs or feed other ops (Gemma 2)": _decoder_where_inductor_keeps_every_norm,
+    "a sum read by linears that scale their input": lambda: _sum_read_by_scaling_linears(False),
+    "a sum read by torchao's float8 linears": lambda: _sum_read_by_scaling_linears(True),
+}
+
+
+@pytest.mark.parametrize("name", list(STOCK_CODE_CASES))
+def test_where_inductor_keeps_the_norms_it_writes_the_stock_models_code(name):
+    """Where the rule leaves every norm to Inductor, the patched model's training step compiles
+    to the stock model's code, kernel for kernel: ``inductor_norm`` gives AOTAutograd and
+    Inductor the graph the Hugging Face norm gives them (bf16, forward and backward)."""
+    stock, inputs, want = STOCK_CODE_CASES[name]()
+    patched = copy.deepcopy(stock)
+    T.patch_rmsnorm(patched)
+    codes = []
+    T.reset_dispatch_stats()
+    for model in (stock, patched):
+        compiled = torch.compile(model, fullgraph=True)
+
+        def step(compiled=compiled):
+            out = compiled(**inputs)
+            (out if isinstance(out, torch.Tensor) else out.loss).backward()
+
+        with compiling_afresh():
+            _, code = run_and_get_code(step)
+        codes.append(code)
+    assert T.dispatch_stats()["sites"] == want
+    stock_code, patched_code = (_code_lines(c) for c in codes)
+    assert len(codes[0]) == len(codes[1]) == 2  # the forward and the backward
+    assert patched_code == stock_code
 
 
 # --- installing the passes ----------------------------------------------------------------------
